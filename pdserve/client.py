@@ -1,0 +1,85 @@
+"""Client commands: `pdserve generate` streams a reply; `pdserve health` checks a service."""
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.settings import env
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+FINISH_NAMES = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
+                pb.FINISH_REASON_EOS: "eos"}
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="send one prompt to a router and stream the reply",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompt", help="prompt text (byte-level tokenized)")
+    p.add_argument("--address", default=env("ADDRESS", "127.0.0.1:50051"),
+                   help="router (or colocated) address (PDSERVE_ADDRESS)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 is no limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    p.set_defaults(func=run_generate)
+
+
+def request_from_args(args) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=args.prompt, sampling=pb.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos))
+
+
+def run_generate(args) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.RouterStub(channel)
+        try:
+            for response in stub.Generate(request_from_args(args), timeout=args.timeout):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    _print_summary(response)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _print_summary(last: pb.GenerateResponse) -> None:
+    m = last.metrics
+    print(f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}] "
+          f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens; "
+          f"TTFT {m.time_to_first_token_seconds * 1e3:.1f} ms, "
+          f"total {m.end_to_end_seconds * 1e3:.1f} ms; handoff {m.handoff_bytes / 1024:.0f} KiB "
+          f"in {m.handoff_seconds * 1e3:.2f} ms; prefill {m.prefill_instance}, "
+          f"decode {m.decode_instance}", file=sys.stderr)
+
+
+def add_health(sub) -> None:
+    p = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING")
+    p.add_argument("address", nargs="?", default="127.0.0.1:50051", help="host:port")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=run_health)
+
+
+def check_health(address: str, timeout: float) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def run_health(args) -> int:
+    healthy = check_health(args.address, args.timeout)
+    print("SERVING" if healthy else "NOT SERVING")
+    return 0 if healthy else 1

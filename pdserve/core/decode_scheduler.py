@@ -1,0 +1,93 @@
+"""Continuous batching: every step decodes one token for every running sequence.
+
+New sequences join between steps (up to max_batch running); finished and aborted ones leave and
+give their blocks back. `add` and `abort` may be called from any thread; `step` only from the
+engine thread.
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.core.model import TinyGPT
+from pdserve.core.paged_cache import PagedCache
+from pdserve.core.sampling import sample
+from pdserve.core.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class DecodeStepStats:
+    batch_size: int
+    seconds: float
+
+
+class DecodeScheduler:
+    def __init__(self, model: TinyGPT, cache: PagedCache, max_batch: int) -> None:
+        self.model, self.cache, self.max_batch = model, cache, max_batch
+        self.running: list[Sequence] = []
+        self._joining: deque[Sequence] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a committed sequence whose first token has been appended already."""
+        with self._lock:
+            self._joining.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Marks a sequence to leave at the next step boundary (its blocks are freed then)."""
+        seq.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self._joining)
+
+    @property
+    def size(self) -> int:
+        return len(self.running) + len(self._joining)
+
+    def step(self) -> DecodeStepStats | None:
+        self._admit()
+        if not self.running:
+            return None
+        start = time.perf_counter()
+        batch = self.running
+        view = self.cache.step_view([s.table for s in batch], [s.cached_tokens for s in batch])
+        logits = self.model.decode_paged([s.tokens[-1] for s in batch],
+                                         [s.cached_tokens for s in batch], view)
+        tokens = sample(logits, [s.spec.sampling for s in batch], [s.generated for s in batch])
+        for seq, token in zip(batch, tokens, strict=True):
+            if not seq.aborted:
+                seq.append(token)
+        self._leave()
+        return DecodeStepStats(len(batch), time.perf_counter() - start)
+
+    def fail_all(self, message: str) -> None:
+        """Ends every sequence with an error (the model step itself failed)."""
+        self._admit_all()
+        for seq in self.running:
+            seq.fail(message)
+        self._leave()
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._joining and len(self.running) < self.max_batch:
+                self.running.append(self._joining.popleft())
+            # Aborted sequences still waiting to join leave now.
+            for seq in [s for s in self._joining if s.done]:
+                self._joining.remove(seq)
+                seq.table.release()
+        for seq in self.running:
+            if not seq.done:
+                seq.table.ensure(len(seq.tokens))
+        self._leave()
+
+    def _admit_all(self) -> None:
+        with self._lock:
+            self.running.extend(self._joining)
+            self._joining.clear()
+
+    def _leave(self) -> None:
+        for seq in [s for s in self.running if s.done]:
+            seq.table.release()
+        self.running = [s for s in self.running if not s.done]

@@ -1,0 +1,82 @@
+"""One sequence being decoded, and what it reports as it goes.
+
+Life cycle in a decode pool:  joining -> running -> finished | aborted.
+A sequence enters with its prompt's KV already in its block table and the first token (sampled by
+prefill); every step appends one token. Its blocks go back to the pool when it leaves, however it
+leaves; the engine thread does that, never a gRPC thread, since a step may be writing to them.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from pdserve.core.block_pool import BlockTable
+from pdserve.core.output_text import OutputText
+from pdserve.core.request import GenerateSpec
+from pdserve.core.tokenizer import EOS_TOKEN_ID
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What a sequence produced in one step; `finish_reason` or `error` is set on the last one."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+Sink = Callable[[Emission], None]
+
+
+@dataclass
+class Sequence:
+    spec: GenerateSpec
+    table: BlockTable
+    sink: Sink
+    tokens: list[int] = field(default_factory=list)
+    generated: int = 0
+    finish_reason: FinishReason | None = None
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.spec.prompt_token_ids)
+        self._text = OutputText(self.spec.sampling.stop)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.aborted
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose KV is in the cache: all but the newest, which the next step writes."""
+        return len(self.tokens) - 1
+
+    def append(self, token_id: int) -> None:
+        """Adds a sampled token, decides whether the sequence is finished, and emits both."""
+        self.tokens.append(token_id)
+        self.generated += 1
+        text = self._text.feed(token_id)
+        self.finish_reason = self._finish_reason(token_id)
+        if self.finish_reason is not None and self.finish_reason is not FinishReason.STOP:
+            text += self._text.finish()
+        self.sink(Emission((token_id,), text, self.finish_reason))
+
+    def fail(self, message: str) -> None:
+        self.aborted = True
+        self.sink(Emission((), "", error=message))
+
+    def _finish_reason(self, token_id: int) -> FinishReason | None:
+        if self._text.stopped:
+            return FinishReason.STOP
+        if token_id == EOS_TOKEN_ID and not self.spec.sampling.ignore_eos:
+            return FinishReason.EOS
+        if self.generated >= self.spec.sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,109 @@
+"""`pdserve up`: prefill, decode and router as local processes on loopback.
+
+Ctrl-C (or SIGTERM) stops all three: each gets SIGTERM and drains; any still running after the
+grace period is killed.
+"""
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from pdserve.client import check_health
+
+READY_TIMEOUT_SECONDS = 120.0
+
+
+def add_up(sub) -> None:
+    p = sub.add_parser("up", help="run prefill, decode and router as local processes",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--prefill-port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--decode-port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--num-blocks", type=int, default=2048, help="decode KV blocks")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch threads for prefill and for decode each")
+    p.add_argument("--demo", metavar="PROMPT", help="send this prompt once ready, print the "
+                   "reply, then stop everything")
+    p.add_argument("--demo-tokens", type=int, default=48)
+    p.set_defaults(func=run_up)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_blocks: int,
+                   torch_threads: int) -> dict[str, list[str]]:
+    base = [sys.executable, "-m", "pdserve.cli", "serve"]
+    loopback = ["--host", "127.0.0.1"]
+    threads = ["--torch-threads", str(torch_threads)]
+    return {
+        "decode": base + ["decode", *loopback, "--port", str(decode_port), *threads,
+                          "--num-blocks", str(num_blocks)],
+        "prefill": base + ["prefill", *loopback, "--port", str(prefill_port), *threads],
+        "router": base + ["router", *loopback, "--port", str(router_port),
+                          "--prefill", f"127.0.0.1:{prefill_port}",
+                          "--decode", f"127.0.0.1:{decode_port}"],
+    }
+
+
+def run_up(args) -> int:
+    commands = stack_commands(args.port, args.prefill_port or free_port(),
+                              args.decode_port or free_port(), args.num_blocks, args.torch_threads)
+    procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        if not _wait_ready(f"127.0.0.1:{args.port}", procs):
+            return 1
+        print(f"pdserve is up: router on 127.0.0.1:{args.port} (Ctrl-C stops it)", flush=True)
+        if args.demo:
+            return _demo(args)
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        print("a service exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all(procs)
+
+
+def _wait_ready(address: str, procs: dict[str, subprocess.Popen]) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        if dead:
+            print(f"{', '.join(dead)} exited during start-up", file=sys.stderr)
+            return False
+        if check_health(address, timeout=1.0):
+            return True
+        time.sleep(0.2)
+    print(f"router not serving after {READY_TIMEOUT_SECONDS:.0f} s", file=sys.stderr)
+    return False
+
+
+def _demo(args) -> int:
+    from pdserve.client import run_generate
+    print(f"demo prompt: {args.demo!r}", flush=True)
+    demo = argparse.Namespace(prompt=args.demo, address=f"127.0.0.1:{args.port}",
+                              max_tokens=args.demo_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                              seed=0, stop=[], ignore_eos=True, timeout=60.0)
+    return run_generate(demo)
+
+
+def stop_all(procs: dict[str, subprocess.Popen], grace: float = 15.0) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

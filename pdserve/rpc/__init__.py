@@ -1,0 +1,1 @@
+"""What the services share at the gRPC edge: protobuf conversions and server bootstrap."""

@@ -1,0 +1,96 @@
+"""The Router API served by the colocated engine, so one client and one benchmark drive both."""
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pdserve.core.block_pool import PoolExhausted
+from pdserve.core.config import ModelConfig
+from pdserve.core.request import GenerateSpec, InvalidRequest, validate
+from pdserve.core.sequence import Emission
+from pdserve.rpc import convert
+from pdserve.rpc.server import Server, run_until_signalled
+from pdserve.settings import ColocatedSettings
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.colocated.engine import ColocatedEngine, Handle
+
+log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_SECONDS = 0.005
+MAX_BACKOFF_SECONDS = 0.1
+QUEUE_TIMEOUT_SECONDS = 30.0
+
+
+class ColocatedServicer(pb_grpc.RouterServicer):
+    def __init__(self, config: ModelConfig, settings: ColocatedSettings, instance: str) -> None:
+        self.config, self.instance = config, instance
+        self.engine = ColocatedEngine(config, settings)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        received = time.perf_counter()
+        try:
+            spec = validate(convert.spec_from_generate(request), self.config)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        events: asyncio.Queue[Emission] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        handle = await self._submit(spec, lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+                                    context)
+        try:
+            first_token_at = None
+            while True:
+                emission = await events.get()
+                if emission.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, emission.error)
+                first_token_at = first_token_at or time.perf_counter()
+                response = pb.GenerateResponse(request_id=spec.request_id,
+                                               token_ids=emission.token_ids, text=emission.text)
+                if emission.finish_reason is not None:
+                    self._finish(response, emission, handle, received, first_token_at)
+                    yield response
+                    return
+                yield response
+        finally:
+            self.engine.abort(handle)
+
+    async def _submit(self, spec: GenerateSpec, sink, context) -> Handle:
+        """Queues the request once the pool has room, waiting (bounded) while it has none."""
+        give_up = time.monotonic() + QUEUE_TIMEOUT_SECONDS
+        backoff = FIRST_BACKOFF_SECONDS
+        while True:
+            try:
+                return self.engine.submit(spec, sink)
+            except PoolExhausted as exc:
+                if time.monotonic() + backoff > give_up:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+
+    def _finish(self, response: pb.GenerateResponse, emission: Emission, handle: Handle,
+                received: float, first_token_at: float) -> None:
+        seq, timing = handle.sequence, handle.timing
+        response.finish_reason = convert.FINISH_TO_PB[emission.finish_reason]
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=handle.spec.prompt_len,
+                                         completion_tokens=seq.generated if seq else 0))
+        response.metrics.CopyFrom(pb.RequestMetrics(
+            time_to_first_token_seconds=first_token_at - received,
+            end_to_end_seconds=time.perf_counter() - received,
+            prefill_seconds=timing.prefill_seconds if timing else 0.0,
+            queue_seconds=timing.queue_seconds if timing else 0.0,
+            prefill_instance=self.instance, decode_instance=self.instance, attempts=1))
+
+
+async def serve(config: ModelConfig, settings: ColocatedSettings) -> None:
+    server = Server(settings.common.host, settings.common.port)
+    instance = settings.common.instance or f"colocated@{settings.common.host}:{server.port}"
+    servicer = ColocatedServicer(config, settings, instance)
+    pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
+    servicer.engine.loop.start()
+
+    async def on_stop() -> None:
+        servicer.engine.loop.stop()
+
+    await run_until_signalled(server, instance, settings.common.grace_seconds, on_stop)

@@ -1,0 +1,1 @@
+"""The decode service: owns a paged KV pool, accepts KV only under a lease, decodes in batches."""

@@ -1,0 +1,47 @@
+"""The decode engine: the KV pool, the paged cache and the continuous-batching loop over them."""
+
+import logging
+
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.config import ModelConfig
+from pdserve.core.decode_scheduler import DecodeScheduler
+from pdserve.core.engine_loop import EngineLoop
+from pdserve.core.model import TinyGPT
+from pdserve.core.paged_cache import PagedCache
+from pdserve.core.sequence import Sequence
+from pdserve.settings import DecodeSettings
+from services.decode.leases import Lease
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    def __init__(self, config: ModelConfig, settings: DecodeSettings) -> None:
+        self.config = config
+        self.pool = BlockPool(settings.num_blocks, settings.block_size)
+        self.cache = PagedCache(config, settings.num_blocks, settings.block_size)
+        self.scheduler = DecodeScheduler(TinyGPT(config).eval(), self.cache, settings.max_batch)
+        self.loop = EngineLoop("decode-engine", self.scheduler.step,
+                               lambda: self.scheduler.has_work, self.scheduler.fail_all)
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    def start_sequence(self, lease: Lease, first_token: int) -> Sequence:
+        """Turns a committed lease into a running sequence that begins with prefill's token."""
+        seq = Sequence(lease.spec, lease.table, lease.sink)
+        seq.append(first_token)
+        if seq.done:
+            seq.table.release()
+        else:
+            self.scheduler.add(seq)
+            self.loop.wake()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.done:
+            self.scheduler.abort(seq)
+            self.loop.wake()

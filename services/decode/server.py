@@ -1,0 +1,178 @@
+"""The Decode gRPC service: leases, the KV push stream and the token stream.
+
+All lease bookkeeping happens on the event loop thread; the engine thread only decodes.
+"""
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pdserve.core.block_pool import PoolExhausted
+from pdserve.core.config import ModelConfig
+from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk
+from pdserve.core.request import InvalidRequest, validate
+from pdserve.core.sequence import Emission
+from pdserve.rpc import convert
+from pdserve.rpc.server import Server, run_until_signalled
+from pdserve.settings import DecodeSettings
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.decode.engine import DecodeEngine
+from services.decode.leases import Lease, LeaseRejected, LeaseState, LeaseTable
+
+log = logging.getLogger(__name__)
+
+DTYPE_FROM_PB = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16",
+                 pb.DTYPE_BFLOAT16: "bfloat16"}
+EXPIRY_CHECK_SECONDS = 0.1
+
+
+class DecodeServicer(pb_grpc.DecodeServicer):
+    def __init__(self, config: ModelConfig, settings: DecodeSettings, instance: str) -> None:
+        self.config, self.settings, self.instance = config, settings, instance
+        self.engine = DecodeEngine(config, settings)
+        self.leases = LeaseTable(self.engine.pool, config)
+
+    async def Generate(self, request: pb.DecodeRequest, context):
+        try:
+            spec = validate(convert.spec_from_internal(
+                request.request_id, request.prompt_token_ids, request.sampling), self.config)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        events: asyncio.Queue[Emission] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        ttl = request.lease_ttl_seconds or self.settings.lease_ttl_seconds
+        try:
+            lease = self.leases.grant(spec, ttl,
+                                      lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        except PoolExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full: {exc}")
+        log.debug("lease %s granted for request %s (%d blocks)", lease.lease_id, spec.request_id,
+                  lease.table.capacity_blocks)
+        try:
+            yield pb.DecodeEvent(lease=pb.LeaseGranted(
+                lease_id=lease.lease_id, blocks=lease.table.capacity_blocks, instance=self.instance,
+                expires_at_unix=time.time() + ttl))
+            async for event in self._events(lease, events, context):
+                yield event
+        finally:
+            self._end(lease)
+
+    async def _events(self, lease: Lease, events: asyncio.Queue, context):
+        while True:
+            emission = await events.get()
+            if emission.error is not None:
+                await context.abort(grpc.StatusCode.ABORTED, emission.error)
+            tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
+            if emission.finish_reason is None:
+                yield pb.DecodeEvent(tokens=tokens)
+            else:
+                seq = lease.sequence
+                yield pb.DecodeEvent(finished=pb.DecodeFinished(last=tokens,
+                    finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
+                    usage=pb.Usage(prompt_tokens=lease.spec.prompt_len,
+                                   completion_tokens=seq.generated if seq else 0),
+                    handoff_receive_seconds=lease.handoff_seconds,
+                    handoff_bytes=lease.assembly.bytes))
+                return
+
+    def _end(self, lease: Lease) -> None:
+        """However the token stream ends, the lease's blocks go back."""
+        if lease.state is LeaseState.COMMITTED and lease.sequence is not None:
+            self.engine.abort(lease.sequence)
+        else:
+            self.leases.void(lease, "request ended before its KV was committed")
+        self.leases.forget(lease)
+
+    async def PushKv(self, request_iterator, context) -> pb.PushKvReply:
+        lease = None
+        try:
+            async for push in request_iterator:
+                if push.HasField("chunk"):
+                    lease = self._accept_chunk(push.chunk, lease)
+                elif push.HasField("commit"):
+                    return self._commit(push.commit, lease)
+                else:
+                    raise KvRejected("a KV push with neither chunk nor commit")
+            raise KvRejected("KV stream ended without a commit")
+        except KvRejected as exc:
+            if lease is not None:
+                self.leases.void(lease, f"KV transfer rejected: {exc}")
+            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(exc, LeaseRejected) \
+                else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
+        except BaseException:
+            if lease is not None:  # the stream broke or was cancelled before its commit
+                self.leases.void(lease, "KV stream broke before its commit")
+            raise
+
+    def _accept_chunk(self, chunk: pb.KvChunk, current: Lease | None) -> Lease:
+        lease = self.leases.for_push(chunk.lease_id)
+        if current is None and lease.state is not LeaseState.GRANTED:
+            raise LeaseRejected(f"lease {chunk.lease_id!r} is already receiving on another stream")
+        if current is not None and lease is not current:
+            raise LeaseRejected("one KV stream carries one lease")
+        payload = chunk.data  # read once: every access copies
+        header = ChunkHeader(chunk.index, chunk.layer, chunk.token_start, chunk.token_end,
+                             DTYPE_FROM_PB.get(chunk.dtype, "unspecified"), tuple(chunk.shape),
+                             chunk.crc32)
+        lease.assembly.check(header, len(payload))
+        k, v = decode_chunk(header, payload, self.config, lease.spec.prompt_len)
+        lease.table.ensure(header.token_end)
+        self.engine.cache.write(header.layer, lease.table.slots(header.token_start,
+                                                                header.token_end), k, v)
+        lease.assembly.accepted(header, len(payload))
+        if lease.state is LeaseState.GRANTED:
+            lease.state, lease.first_chunk_at = LeaseState.RECEIVING, time.perf_counter()
+        return lease
+
+    def _commit(self, commit: pb.KvCommit, current: Lease | None) -> pb.PushKvReply:
+        key = (commit.first_token_id, commit.num_chunks, commit.digest)
+        done = self.leases.committed(commit.lease_id)
+        if done is not None:
+            if done.commit_key != key:
+                raise LeaseRejected(f"lease {commit.lease_id!r} was committed with other contents")
+            return pb.PushKvReply(lease_id=done.lease_id, bytes=done.assembly.bytes,
+                                  newly_committed=False)
+        lease = self.leases.for_push(commit.lease_id)
+        if current is not None and lease is not current:
+            raise LeaseRejected("one KV stream carries one lease")
+        lease.assembly.check_commit(commit.num_chunks, commit.digest)
+        if not 0 <= commit.first_token_id < self.config.vocab_size:
+            raise KvRejected(f"first token {commit.first_token_id} outside the vocabulary")
+        lease.state, lease.commit_key = LeaseState.COMMITTED, key
+        lease.committed_at = time.perf_counter()
+        lease.sequence = self.engine.start_sequence(lease, commit.first_token_id)
+        return pb.PushKvReply(lease_id=lease.lease_id, bytes=lease.assembly.bytes,
+                              newly_committed=True)
+
+    async def GetPoolStats(self, request, context) -> pb.PoolStats:
+        return pb.PoolStats(total_blocks=self.engine.pool.num_blocks,
+                            free_blocks=self.engine.pool.available_blocks,
+                            block_size=self.engine.pool.block_size,
+                            running=self.engine.scheduler.size,
+                            pending_leases=self.leases.pending, instance=self.instance)
+
+    async def expire_leases_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_SECONDS)
+            expired = self.leases.expire()
+            if expired:
+                log.warning("%d lease(s) expired uncommitted; their blocks are free again", expired)
+
+
+async def serve(config: ModelConfig, settings: DecodeSettings) -> None:
+    server = Server(settings.common.host, settings.common.port)
+    instance = settings.common.instance or f"decode@{settings.common.host}:{server.port}"
+    servicer = DecodeServicer(config, settings, instance)
+    pb_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
+    servicer.engine.start()
+    expiry = asyncio.create_task(servicer.expire_leases_forever())
+
+    async def on_stop() -> None:
+        expiry.cancel()
+        servicer.engine.stop()
+
+    await run_until_signalled(server, instance, settings.common.grace_seconds, on_stop)

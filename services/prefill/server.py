@@ -1,0 +1,120 @@
+"""The Prefill gRPC service: queue the prompt for a batch, push its KV to decode, reply."""
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pdserve.core.config import ModelConfig
+from pdserve.core.engine_loop import EngineLoop
+from pdserve.core.model import TinyGPT
+from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
+from pdserve.core.request import InvalidRequest, validate
+from pdserve.rpc import convert
+from pdserve.rpc.server import CHANNEL_OPTIONS, Server, run_until_signalled
+from pdserve.settings import PrefillSettings
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.prefill.kv_sender import KvSender
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self, config: ModelConfig, settings: PrefillSettings, instance: str) -> None:
+        self.config, self.settings, self.instance = config, settings, instance
+        self.scheduler = PrefillScheduler(TinyGPT(config).eval(), settings.max_batch_size,
+                                          settings.max_batch_tokens)
+        self.loop = EngineLoop("prefill-engine", self.scheduler.step,
+                               lambda: self.scheduler.has_work, lambda msg: None)
+        self._decode_stubs: dict[str, pb_grpc.DecodeStub] = {}
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        try:
+            spec = validate(convert.spec_from_internal(
+                request.request_id, request.prompt_token_ids, request.sampling), self.config)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.lease_id or not request.decode_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "lease_id and decode_address are required")
+        loop = asyncio.get_running_loop()
+        sender = KvSender(loop, request.lease_id, self.config, self.settings.chunk_bytes)
+        done: asyncio.Future = loop.create_future()
+        job = PrefillJob(spec, sender.on_layer_kv,
+                         on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
+                         on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)))
+        push = asyncio.ensure_future(self._stub(request.decode_address).PushKv(
+            sender.pushes(), timeout=context.time_remaining()))
+        self.scheduler.add(job)
+        self.loop.wake()
+        try:
+            first_token, timing = await _first_of(done, push)
+            sender.commit(first_token)
+            reply = await push
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(_push_status(exc.code()),
+                                f"KV push to decode {request.decode_address} failed: "
+                                f"{exc.code().name}: {exc.details()}")
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            job.cancelled = True
+            push.cancel()
+        return self._reply(spec.request_id, first_token, timing, sender, reply)
+
+    def _reply(self, request_id: str, first_token: int, timing: PrefillTiming, sender: KvSender,
+               reply: pb.PushKvReply) -> pb.PrefillReply:
+        handoff = time.perf_counter() - sender.first_sent_at if sender.first_sent_at else 0.0
+        return pb.PrefillReply(
+            request_id=request_id, first_token_id=first_token, handoff_bytes=reply.bytes,
+            handoff_seconds=handoff, prefill_seconds=timing.prefill_seconds,
+            queue_seconds=timing.queue_seconds, num_chunks=sender.num_chunks,
+            instance=self.instance)
+
+    def _stub(self, address: str) -> pb_grpc.DecodeStub:
+        if address not in self._decode_stubs:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._decode_stubs[address] = pb_grpc.DecodeStub(channel)
+        return self._decode_stubs[address]
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
+    """Completes `future` from the engine thread (with a result, or an exception instance)."""
+    def settle() -> None:
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    loop.call_soon_threadsafe(settle)
+
+
+async def _first_of(done: asyncio.Future, push: asyncio.Future):
+    """The prefill result; if the push ends first it has failed, so its error is raised."""
+    await asyncio.wait({done, push}, return_when=asyncio.FIRST_COMPLETED)
+    if not done.done():
+        push.result()  # raises the push's error
+        raise RuntimeError("decode accepted the KV stream before its commit")
+    return done.result()
+
+
+def _push_status(code: grpc.StatusCode) -> grpc.StatusCode:
+    """A failed push is the decode side's trouble: keep its code unless it names our input."""
+    return grpc.StatusCode.UNAVAILABLE if code in (
+        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else code
+
+
+async def serve(config: ModelConfig, settings: PrefillSettings) -> None:
+    server = Server(settings.common.host, settings.common.port)
+    instance = settings.common.instance or f"prefill@{settings.common.host}:{server.port}"
+    servicer = PrefillServicer(config, settings, instance)
+    pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
+    servicer.loop.start()
+
+    async def on_stop() -> None:
+        servicer.loop.stop()
+
+    await run_until_signalled(server, instance, settings.common.grace_seconds, on_stop)

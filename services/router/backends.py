@@ -1,0 +1,112 @@
+"""The prefill or decode instances a router can use, found by address and kept health-checked.
+
+A target "host:port" whose host resolves to several addresses (a scaled compose service) yields
+one instance per address; targets are re-resolved on every refresh, so replicas that appear or
+vanish are picked up.
+"""
+
+import asyncio
+import ipaddress
+import itertools
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.rpc.server import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_SECONDS = 1.0
+
+
+@dataclass
+class Instance:
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    healthy: bool = False
+
+
+class BackendSet:
+    def __init__(self, role: str, targets: list[str], make_stub: Callable[[grpc.aio.Channel], object]):
+        self.role, self.targets, self._make_stub = role, targets, make_stub
+        self.instances: dict[str, Instance] = {}
+        self._turn = itertools.count()
+
+    def ordered(self) -> list[Instance]:
+        """Healthy instances first, rotated so that load spreads round-robin."""
+        pool = [i for i in self.instances.values() if i.healthy] or list(self.instances.values())
+        if not pool:
+            return []
+        start = next(self._turn) % len(pool)
+        return pool[start:] + pool[:start]
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(i.healthy for i in self.instances.values())
+
+    def mark_down(self, instance: Instance) -> None:
+        if instance.healthy:
+            log.warning("%s instance %s is down", self.role, instance.address)
+        instance.healthy = False
+
+    async def refresh(self) -> None:
+        """Re-resolves the targets and health-checks every instance."""
+        addresses = set()
+        for target in self.targets:
+            addresses.update(await _resolve(target))
+        for gone in set(self.instances) - addresses:
+            log.info("%s instance %s removed", self.role, gone)
+            await self.instances.pop(gone).channel.close()
+        for address in addresses - set(self.instances):
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.instances[address] = Instance(address, channel, self._make_stub(channel))
+        await asyncio.gather(*(self._check(i) for i in list(self.instances.values())))
+
+    async def _check(self, instance: Instance) -> None:
+        stub = health_pb2_grpc.HealthStub(instance.channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(),
+                                     timeout=HEALTH_TIMEOUT_SECONDS)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        if healthy != instance.healthy:
+            log.info("%s instance %s is %s", self.role, instance.address,
+                     "up" if healthy else "down")
+        instance.healthy = healthy
+
+    async def close(self) -> None:
+        for instance in self.instances.values():
+            await instance.channel.close()
+
+
+async def _resolve(target: str) -> set[str]:
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    if _is_ip(host):
+        return {target}
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port),
+                                                             type=socket.SOCK_STREAM,
+                                                             family=socket.AF_INET)
+    except OSError as exc:
+        log.warning("cannot resolve %s: %s", target, exc)
+        return set()
+    return {_join(info[4][0], port) for info in infos}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _join(ip: str, port: str) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
