@@ -15,9 +15,6 @@ import torch
 from pdserve.core.config import ModelConfig
 from pdserve.core.paged_cache import TORCH_DTYPES
 
-# Received payloads are immutable bytes; the tensors made over them are only ever read.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (LIMITS.md)
 
 
@@ -79,7 +76,9 @@ def decode_chunk(header: ChunkHeader, payload: bytes, config: ModelConfig, promp
         raise KvRejected(f"chunk has {len(payload)} bytes, its shape needs a different count")
     if crc32(payload) != header.crc32:
         raise KvRejected(f"chunk {header.index} fails its CRC-32 check")
-    both = torch.frombuffer(payload, dtype=TORCH_DTYPES[config.dtype]).view(expected)
+    with warnings.catch_warnings():  # the payload is immutable bytes, and only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        both = torch.frombuffer(payload, dtype=TORCH_DTYPES[config.dtype]).view(expected)
     return both[0], both[1]
 
 

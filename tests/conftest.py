@@ -1,0 +1,37 @@
+"""Shared fixtures: one disaggregated stack and one colocated engine for the session.
+
+Every test that uses the stack checks afterwards that the decode pool's free blocks are back where
+they started (waiting, bounded, for cancellations to be processed).
+"""
+
+import pytest
+
+from procs import Stack, start_service, start_stack, wait_until
+
+POOL_SETTLE_SECONDS = 15.0
+
+
+@pytest.fixture(scope="session")
+def _session_stack(tmp_path_factory) -> Stack:
+    stack = start_stack(str(tmp_path_factory.mktemp("stack")))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated(tmp_path_factory):
+    service = start_service("colocated", "--torch-threads", "1",
+                            tmp_dir=str(tmp_path_factory.mktemp("colocated")))
+    yield service
+    service.stop()
+
+
+@pytest.fixture
+def stack(_session_stack: Stack) -> Stack:
+    before = _session_stack.pool_stats()
+    assert before.free_blocks == before.total_blocks, "a previous test leaked decode blocks"
+    yield _session_stack
+    wait_until(lambda: _session_stack.pool_stats().free_blocks == before.free_blocks,
+               POOL_SETTLE_SECONDS, "decode pool free blocks to return to their start value")
+    after = _session_stack.pool_stats()
+    assert after.running == 0 and after.pending_leases == 0

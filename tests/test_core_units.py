@@ -1,0 +1,138 @@
+"""The shared core's pieces alone, without servers."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.core import kv_wire
+from pdserve.core.block_pool import BlockPool, PoolExhausted
+from pdserve.core.config import ModelConfig
+from pdserve.core.output_text import OutputText
+from pdserve.core.request import GenerateSpec, InvalidRequest, SamplingSpec, validate
+from pdserve.core.sampling import sample, uniform
+
+CONFIG = ModelConfig()
+
+
+def test_block_pool_reserves_grows_and_releases():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    table = pool.reserve(10)  # 3 blocks promised
+    assert pool.available_blocks == 5
+    table.ensure(5)
+    assert len(table.blocks) == 2 and pool.available_blocks == 5
+    assert table.slots(3, 6) == [table.blocks[0] * 4 + 3, table.blocks[1] * 4, table.blocks[1] * 4 + 1]
+    with pytest.raises(ValueError):
+        table.ensure(13)
+    with pytest.raises(PoolExhausted):
+        pool.reserve(4 * 6)
+    table.release()
+    table.release()  # twice is harmless
+    assert pool.available_blocks == 8
+
+
+def test_output_text_holds_back_a_stop_string_spread_over_tokens():
+    text = OutputText(stop=("END",))
+    sent = "".join(text.feed(t) for t in b"abcEN")
+    assert sent == "abc" and not text.stopped
+    assert text.feed(ord("D")) == "" and text.stopped
+
+
+def test_output_text_releases_a_false_stop_prefix():
+    text = OutputText(stop=("END",))
+    sent = "".join(text.feed(t) for t in b"aENx")
+    assert sent == "aENx" and not text.stopped
+
+
+def test_output_text_assembles_utf8_across_tokens():
+    text = OutputText()
+    pieces = [text.feed(t) for t in "é!".encode()]
+    assert pieces == ["", "é", "!"]
+
+
+def spec(tokens=(1, 2, 3), **sampling) -> GenerateSpec:
+    return GenerateSpec("r", tuple(tokens), SamplingSpec(**sampling))
+
+
+@pytest.mark.parametrize("bad, words", [
+    (spec(tokens=()), "no tokens"),
+    (spec(tokens=(300,)), "outside the vocabulary"),
+    (spec(max_tokens=0), "max_tokens"),
+    (spec(temperature=float("nan")), "temperature"),
+    (spec(top_p=0.0), "top_p"),
+    (spec(top_k=-2), "top_k"),
+    (spec(tokens=(1,) * 4090, max_tokens=10), "context length"),
+    (spec(stop=("",)), "stop"),
+])
+def test_validation_names_the_problem(bad, words):
+    with pytest.raises(InvalidRequest, match=words):
+        validate(bad, CONFIG)
+
+
+def test_sampling_is_a_function_of_seed_and_step():
+    logits = torch.randn(3, CONFIG.vocab_size, generator=torch.Generator().manual_seed(0))
+    s = SamplingSpec(temperature=1.0, top_p=0.9, top_k=40, seed=5)
+    assert sample(logits, [s] * 3, [0, 1, 2]) == sample(logits, [s] * 3, [0, 1, 2])
+    assert uniform(5, 0) != uniform(5, 1) and uniform(5, 0) != uniform(6, 0)
+    greedy = sample(logits, [SamplingSpec()] * 3, [0, 0, 0])
+    assert greedy == logits.argmax(-1).tolist()
+    top1 = sample(logits, [SamplingSpec(temperature=1.0, top_k=1, seed=9)] * 3, [0, 1, 2])
+    assert top1 == greedy
+
+
+def test_kv_chunks_round_trip_and_reject_damage():
+    k, v = torch.randn(40, CONFIG.kv_heads, CONFIG.head_dim), torch.randn(40, 4, 64)
+    pieces = kv_wire.encode_layer(k, v, tokens_per=16)
+    assert [(a, b) for a, b, _ in pieces] == [(0, 16), (16, 32), (32, 40)]
+    start, end, payload = pieces[1]
+    header = kv_wire.ChunkHeader(1, 2, start, end, "float32", (2, 16, 4, 64),
+                                 kv_wire.crc32(payload))
+    k2, v2 = kv_wire.decode_chunk(header, payload, CONFIG, prompt_len=40)
+    assert torch.equal(k2, k[16:32]) and torch.equal(v2, v[16:32])
+    damaged = bytes([payload[0] ^ 1]) + payload[1:]
+    with pytest.raises(kv_wire.KvRejected, match="CRC"):
+        kv_wire.decode_chunk(header, damaged, CONFIG, prompt_len=40)
+    with pytest.raises(kv_wire.KvRejected, match="shape"):
+        kv_wire.decode_chunk(dataclasses.replace(header, shape=(2, 16, 8, 32)), payload, CONFIG, 40)
+    with pytest.raises(kv_wire.KvRejected, match="outside"):
+        kv_wire.decode_chunk(header, payload, CONFIG, prompt_len=20)
+
+
+def test_kv_assembly_demands_order_and_completeness():
+    assembly = kv_wire.KvAssembly(CONFIG, prompt_len=8)
+    header = kv_wire.ChunkHeader(1, 0, 0, 8, "float32", (2, 8, 4, 64), 0)
+    with pytest.raises(kv_wire.KvRejected, match="expected chunk 0"):
+        assembly.check(header, 0)
+    with pytest.raises(kv_wire.KvRejected, match="commit says"):
+        assembly.check_commit(3, 0)
+
+
+def test_model_has_chapter_scale_and_identical_weights():
+    from pdserve.core.model import TinyGPT, parameter_count
+    a, b = TinyGPT(CONFIG), TinyGPT(CONFIG)
+    assert 5.5e6 < parameter_count(a) < 6.2e6
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert CONFIG.max_context >= 4096
+
+
+def test_router_never_imports_torch():
+    code = ("import sys, services.router.server, pdserve.cli; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_prefill_and_decode_do_not_import_each_other():
+    code = ("import sys, services.prefill.server; assert 'services.decode' not in sys.modules; "
+            "import services.decode.server; assert 'services.prefill.kv_sender' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "router", "--help"],
+                                  ["serve", "decode", "--help"], ["up", "--help"],
+                                  ["generate", "--help"]])
+def test_cli_help_explains(args):
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert "usage: pdserve" in out and len(out) > 200

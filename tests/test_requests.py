@@ -1,0 +1,139 @@
+"""Request handling through real servers: load, sampling, bad input, cancellation."""
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from procs import generate, greedy_request, wait_until
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+
+def test_64_concurrent_mixed_requests_all_finish(stack):
+    rng = random.Random(11)
+    jobs = [([rng.randrange(256) for _ in range(rng.randint(1, 300))], rng.randint(1, 40))
+            for _ in range(64)]
+    stub = stack.router_stub()
+
+    def one(job):
+        prompt, max_tokens = job
+        tokens, _, last = generate(stub, greedy_request(prompt, max_tokens), timeout=120)
+        return len(tokens), max_tokens, last
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, jobs))
+    for n, max_tokens, last in results:
+        assert n == max_tokens
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == max_tokens
+        assert last.metrics.handoff_bytes > 0
+
+
+def test_final_response_reports_usage_and_handoff(stack):
+    prompt = list(b"How many bytes does this prompt's KV cache take?")
+    _, _, last = generate(stack.router_stub(), greedy_request(prompt, 5))
+    assert last.usage.prompt_tokens == len(prompt)
+    # KV bytes = 2 x layers x heads x head_dim x tokens x 4 bytes (fp32).
+    assert last.metrics.handoff_bytes == 2 * 6 * 4 * 64 * len(prompt) * 4
+    assert last.metrics.time_to_first_token_seconds > 0
+    assert last.metrics.end_to_end_seconds >= last.metrics.time_to_first_token_seconds
+    assert last.metrics.prefill_instance.startswith("prefill@")
+    assert last.metrics.decode_instance.startswith("decode@")
+
+
+def sampled(seed: int, prompt: str = "The same seed, the same tokens") -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+        max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed, ignore_eos=True))
+
+
+def test_seeded_sampling_is_identical_across_paths(stack, colocated):
+    with grpc.insecure_channel(colocated.address) as channel:
+        colocated_stub = pb_grpc.RouterStub(channel)
+        for seed in (1, 2, 3):
+            disaggregated, _, _ = generate(stack.router_stub(), sampled(seed))
+            again, _, _ = generate(stack.router_stub(), sampled(seed))
+            baseline, _, _ = generate(colocated_stub, sampled(seed))
+            assert disaggregated == again == baseline
+    other, _, _ = generate(stack.router_stub(), sampled(4))
+    assert other != disaggregated
+
+
+def test_stop_string_ends_generation_without_it(stack):
+    # Find what the model says greedily, then stop on a piece of it.
+    prompt = "stop here"
+    tokens, text, _ = generate(stack.router_stub(), greedy_request(list(prompt.encode()), 24))
+    printable = [i for i, t in enumerate(tokens) if 32 <= t < 127]
+    assert printable, "the model produced no ASCII token to stop on"
+    at = printable[len(printable) // 2]
+    stop = chr(tokens[at])
+    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+        max_tokens=24, stop=[stop], ignore_eos=True))
+    _, stopped_text, last = generate(stack.router_stub(), request)
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert stop not in stopped_text
+    assert last.usage.completion_tokens <= at + 1
+
+
+BAD_REQUESTS = {
+    "empty prompt": (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)), "empty"),
+    "both prompt and ids": (pb.GenerateRequest(prompt="a", prompt_token_ids=[1],
+                                               sampling=pb.SamplingParams(max_tokens=4)), "not both"),
+    "token id too large": (pb.GenerateRequest(prompt_token_ids=[1, 99999],
+                                              sampling=pb.SamplingParams(max_tokens=4)),
+                           "outside the vocabulary"),
+    "negative token id": (pb.GenerateRequest(prompt_token_ids=[-1],
+                                             sampling=pb.SamplingParams(max_tokens=4)),
+                          "outside the vocabulary"),
+    "over the context": (pb.GenerateRequest(prompt_token_ids=[1] * 4000,
+                                            sampling=pb.SamplingParams(max_tokens=200)),
+                         "context length"),
+    "max_tokens zero": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=0)),
+                        "max_tokens"),
+    "max_tokens negative": (pb.GenerateRequest(prompt="a",
+                                               sampling=pb.SamplingParams(max_tokens=-3)),
+                            "max_tokens"),
+    "temperature negative": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
+        max_tokens=4, temperature=-0.5)), "temperature"),
+    "top_p above one": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
+        max_tokens=4, top_p=1.5)), "top_p"),
+    "top_p negative": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
+        max_tokens=4, top_p=-0.1)), "top_p"),
+    "top_k negative": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
+        max_tokens=4, top_k=-1)), "top_k"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, colocated, case):
+    request, words = BAD_REQUESTS[case]
+    with grpc.insecure_channel(colocated.address) as channel:
+        for stub in (stack.router_stub(), pb_grpc.RouterStub(channel)):
+            with pytest.raises(grpc.RpcError) as err:
+                generate(stub, request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in err.value.details()
+            tokens, _, _ = generate(stub, greedy_request([1, 2, 3], 2), timeout=30)
+            assert len(tokens) == 2
+
+
+def test_client_cancel_mid_stream_frees_decode_blocks(stack):
+    start = stack.pool_stats()
+    call = stack.router_stub().Generate(greedy_request(list(range(200)), 2000), timeout=60)
+    first = next(call)
+    assert first.token_ids
+    held = stack.pool_stats()
+    assert held.free_blocks < start.free_blocks and held.running == 1
+    call.cancel()
+    wait_until(lambda: stack.pool_stats().free_blocks == start.free_blocks, 10,
+               "blocks to be freed after the client cancelled")
+    assert stack.pool_stats().running == 0
+
+
+def test_deadline_is_propagated(stack):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stack.router_stub(), greedy_request(list(range(100)), 3000), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The stack fixture then checks that decode freed the blocks the request held.
