@@ -6,6 +6,7 @@ The prefill writes its KV straight into the paged cache, the in-process equivale
 import threading
 from dataclasses import dataclass, field
 
+from pdserve import metrics
 from pdserve.core.block_pool import BlockPool, BlockTable
 from pdserve.core.config import ModelConfig
 from pdserve.core.decode_scheduler import DecodeScheduler
@@ -46,9 +47,16 @@ class ColocatedEngine:
         return self.prefill.has_work or self.decode.has_work
 
     def step(self) -> None:
+        """The chapter's loop: a prefill batch if one waits, then one decode step for all."""
         if self.prefill.has_work:
-            self.prefill.step()
-        self.decode.step()
+            timing = self.prefill.step()
+            if timing is not None:
+                metrics.PREFILL_BATCH.labels("colocated").observe(timing.batch_size)
+                metrics.STEP_SECONDS.labels("colocated", "prefill").observe(timing.prefill_seconds)
+        stats = self.decode.step()
+        if stats is not None:
+            metrics.DECODE_BATCH.labels("colocated").observe(stats.batch_size)
+            metrics.STEP_SECONDS.labels("colocated", "decode").observe(stats.seconds)
 
     def submit(self, spec: GenerateSpec, sink: Sink) -> Handle:
         """Reserves room (PoolExhausted when there is none) and queues the prompt."""

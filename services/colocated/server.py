@@ -6,6 +6,8 @@ import time
 
 import grpc
 
+from pdserve import metrics
+
 from pdserve.core.block_pool import PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
@@ -34,6 +36,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
         try:
             spec = validate(convert.spec_from_generate(request), self.config)
         except InvalidRequest as exc:
+            metrics.record_request("colocated", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         events: asyncio.Queue[Emission] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -44,6 +47,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
             while True:
                 emission = await events.get()
                 if emission.error is not None:
+                    metrics.record_request("colocated", "INTERNAL")
                     await context.abort(grpc.StatusCode.INTERNAL, emission.error)
                 first_token_at = first_token_at or time.perf_counter()
                 response = pb.GenerateResponse(request_id=spec.request_id,
@@ -65,6 +69,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
                 return self.engine.submit(spec, sink)
             except PoolExhausted as exc:
                 if time.monotonic() + backoff > give_up:
+                    metrics.record_request("colocated", "RESOURCE_EXHAUSTED")
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
@@ -72,12 +77,15 @@ class ColocatedServicer(pb_grpc.RouterServicer):
     def _finish(self, response: pb.GenerateResponse, emission: Emission, handle: Handle,
                 received: float, first_token_at: float) -> None:
         seq, timing = handle.sequence, handle.timing
+        now = time.perf_counter()
+        metrics.record_request("colocated", "OK", first_token_at - received, now - received,
+                               seq.generated if seq else 0, handle.spec.prompt_len)
         response.finish_reason = convert.FINISH_TO_PB[emission.finish_reason]
         response.usage.CopyFrom(pb.Usage(prompt_tokens=handle.spec.prompt_len,
                                          completion_tokens=seq.generated if seq else 0))
         response.metrics.CopyFrom(pb.RequestMetrics(
             time_to_first_token_seconds=first_token_at - received,
-            end_to_end_seconds=time.perf_counter() - received,
+            end_to_end_seconds=now - received,
             prefill_seconds=timing.prefill_seconds if timing else 0.0,
             queue_seconds=timing.queue_seconds if timing else 0.0,
             prefill_instance=self.instance, decode_instance=self.instance, attempts=1))
@@ -87,6 +95,9 @@ async def serve(config: ModelConfig, settings: ColocatedSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     instance = settings.common.instance or f"colocated@{settings.common.host}:{server.port}"
     servicer = ColocatedServicer(config, settings, instance)
+    metrics.start(settings.common.metrics_port)
+    metrics.watch_pool("colocated", lambda: servicer.engine.pool.available_blocks,
+                       settings.decode.num_blocks, lambda: servicer.engine.decode.size)
     pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     servicer.engine.loop.start()
 

@@ -2,6 +2,8 @@
 
 import logging
 
+from pdserve import metrics
+
 from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import ModelConfig
 from pdserve.core.decode_scheduler import DecodeScheduler
@@ -21,8 +23,14 @@ class DecodeEngine:
         self.pool = BlockPool(settings.num_blocks, settings.block_size)
         self.cache = PagedCache(config, settings.num_blocks, settings.block_size)
         self.scheduler = DecodeScheduler(TinyGPT(config).eval(), self.cache, settings.max_batch)
-        self.loop = EngineLoop("decode-engine", self.scheduler.step,
+        self.loop = EngineLoop("decode-engine", self._step,
                                lambda: self.scheduler.has_work, self.scheduler.fail_all)
+
+    def _step(self) -> None:
+        stats = self.scheduler.step()
+        if stats is not None:
+            metrics.DECODE_BATCH.labels("decode").observe(stats.batch_size)
+            metrics.STEP_SECONDS.labels("decode", "decode").observe(stats.seconds)
 
     def start(self) -> None:
         self.loop.start()

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from pdserve import metrics
 from pdserve.core.block_pool import PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk
@@ -48,6 +49,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             lease = self.leases.grant(spec, ttl,
                                       lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
         except PoolExhausted as exc:
+            metrics.REQUESTS.labels("decode", "error", "RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full: {exc}")
         log.debug("lease %s granted for request %s (%d blocks)", lease.lease_id, spec.request_id,
                   lease.table.capacity_blocks)
@@ -64,12 +66,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         while True:
             emission = await events.get()
             if emission.error is not None:
+                metrics.REQUESTS.labels("decode", "error", "ABORTED").inc()
                 await context.abort(grpc.StatusCode.ABORTED, emission.error)
             tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
             if emission.finish_reason is None:
                 yield pb.DecodeEvent(tokens=tokens)
             else:
                 seq = lease.sequence
+                metrics.REQUESTS.labels("decode", "ok", "OK").inc()
                 yield pb.DecodeEvent(finished=pb.DecodeFinished(last=tokens,
                     finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
                     usage=pb.Usage(prompt_tokens=lease.spec.prompt_len,
@@ -144,6 +148,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             raise KvRejected(f"first token {commit.first_token_id} outside the vocabulary")
         lease.state, lease.commit_key = LeaseState.COMMITTED, key
         lease.committed_at = time.perf_counter()
+        metrics.record_handoff("decode", lease.handoff_seconds, lease.assembly.bytes)
         lease.sequence = self.engine.start_sequence(lease, commit.first_token_id)
         return pb.PushKvReply(lease_id=lease.lease_id, bytes=lease.assembly.bytes,
                               newly_committed=True)
@@ -167,6 +172,9 @@ async def serve(config: ModelConfig, settings: DecodeSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     instance = settings.common.instance or f"decode@{settings.common.host}:{server.port}"
     servicer = DecodeServicer(config, settings, instance)
+    metrics.start(settings.common.metrics_port)
+    metrics.watch_pool("decode", lambda: servicer.engine.pool.available_blocks,
+                       settings.num_blocks, lambda: servicer.engine.scheduler.size)
     pb_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
     servicer.engine.start()
     expiry = asyncio.create_task(servicer.expire_leases_forever())

@@ -6,6 +6,8 @@ import time
 
 import grpc
 
+from pdserve import metrics
+
 from pdserve.core.config import ModelConfig
 from pdserve.core.engine_loop import EngineLoop
 from pdserve.core.model import TinyGPT
@@ -26,9 +28,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.config, self.settings, self.instance = config, settings, instance
         self.scheduler = PrefillScheduler(TinyGPT(config).eval(), settings.max_batch_size,
                                           settings.max_batch_tokens)
-        self.loop = EngineLoop("prefill-engine", self.scheduler.step,
+        self.loop = EngineLoop("prefill-engine", self._step,
                                lambda: self.scheduler.has_work, lambda msg: None)
         self._decode_stubs: dict[str, pb_grpc.DecodeStub] = {}
+
+    def _step(self) -> None:
+        timing = self.scheduler.step()
+        if timing is not None:
+            metrics.PREFILL_BATCH.labels("prefill").observe(timing.batch_size)
+            metrics.STEP_SECONDS.labels("prefill", "prefill").observe(timing.prefill_seconds)
+            metrics.TOKENS.labels("prefill", "prompt").inc(timing.batch_tokens)
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         try:
@@ -54,6 +63,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             sender.commit(first_token)
             reply = await push
         except grpc.aio.AioRpcError as exc:
+            metrics.REQUESTS.labels("prefill", "error", exc.code().name).inc()
             await context.abort(_push_status(exc.code()),
                                 f"KV push to decode {request.decode_address} failed: "
                                 f"{exc.code().name}: {exc.details()}")
@@ -67,6 +77,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def _reply(self, request_id: str, first_token: int, timing: PrefillTiming, sender: KvSender,
                reply: pb.PushKvReply) -> pb.PrefillReply:
         handoff = time.perf_counter() - sender.first_sent_at if sender.first_sent_at else 0.0
+        metrics.record_handoff("prefill", handoff, reply.bytes)
+        metrics.REQUESTS.labels("prefill", "ok", "OK").inc()
         return pb.PrefillReply(
             request_id=request_id, first_token_id=first_token, handoff_bytes=reply.bytes,
             handoff_seconds=handoff, prefill_seconds=timing.prefill_seconds,
@@ -111,6 +123,8 @@ async def serve(config: ModelConfig, settings: PrefillSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     instance = settings.common.instance or f"prefill@{settings.common.host}:{server.port}"
     servicer = PrefillServicer(config, settings, instance)
+    metrics.start(settings.common.metrics_port)
+    metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
     servicer.loop.start()
 

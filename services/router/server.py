@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve import metrics
+
 from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.rpc import convert
@@ -55,12 +57,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             spec = validate(convert.spec_from_generate(request), self.config)
         except InvalidRequest as exc:
+            metrics.record_request("router", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             async for response in self._generate(spec, context, received):
                 yield response
         except RouterError as exc:
             log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
+            metrics.record_request("router", exc.code.name)
             await context.abort(exc.code, str(exc))
 
     async def _generate(self, spec: GenerateSpec, context, received: float):
@@ -168,6 +172,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                reservation: Reservation, received: float, first_token_at: float
                ) -> pb.GenerateResponse:
         now = time.perf_counter()
+        metrics.record_request("router", "OK", first_token_at - received, now - received,
+                               finished.usage.completion_tokens, finished.usage.prompt_tokens)
+        metrics.record_handoff("router", reply.handoff_seconds, reply.handoff_bytes)
         return pb.GenerateResponse(
             request_id=spec.request_id, token_ids=finished.last.token_ids,
             text=finished.last.text, finish_reason=finished.finish_reason, usage=finished.usage,
@@ -201,6 +208,8 @@ async def _rest_of(call: grpc.aio.UnaryStreamCall):
 async def serve(config: ModelConfig, settings: RouterSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     servicer = RouterServicer(config, settings)
+    metrics.start(settings.common.metrics_port)
+    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.waiting)
     pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
 
