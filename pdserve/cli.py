@@ -13,9 +13,14 @@ import logging
 import sys
 
 from pdserve import settings as cfg
+from pdserve.faults import Faults
 from pdserve.settings import env
 
 DEFAULT_PORTS = {"router": 50051, "prefill": 50052, "decode": 50053, "colocated": 50051}
+
+
+FAULTS_EPILOG = ("For tests only, PDSERVE_FAULTS (e.g. corrupt_chunk=2) makes the service fail at a "
+                 "chosen point; see pdserve/faults.py. It is off unless set.")
 
 
 def _common_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -75,11 +80,14 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--queue-timeout-seconds", type=float, default=env("QUEUE_TIMEOUT_SECONDS", 30.0),
                    help="longest wait for decode room (PDSERVE_QUEUE_TIMEOUT_SECONDS; "
                    "default %(default)s)")
+    g.add_argument("--max-attempts", type=int, default=env("MAX_ATTEMPTS", 3),
+                   help="handoff attempts per request; a request is retried on another instance "
+                   "only while no token has reached the client (PDSERVE_MAX_ATTEMPTS)")
 
 
 def _common(a) -> cfg.CommonSettings:
     return cfg.CommonSettings(a.host, a.port, a.metrics_port, a.instance, a.grace_seconds,
-                              a.torch_threads)
+                              a.torch_threads, Faults.parse(env("FAULTS", "")))
 
 
 def _decode(a) -> cfg.DecodeSettings:
@@ -100,7 +108,8 @@ def _serve(args) -> int:
     if args.role == "router":  # never imports torch
         from services.router.server import serve
         asyncio.run(serve(config, cfg.RouterSettings(_common(args), args.prefill, args.decode,
-                                                     args.max_queue, args.queue_timeout_seconds)))
+                                                     args.max_queue, args.queue_timeout_seconds,
+                                                     args.max_attempts)))
         return 0
     import torch
     if args.torch_threads:
@@ -126,7 +135,7 @@ def _add_serve(sub) -> None:
              "decode": "the paged KV pool and the continuous-batching decode loop",
              "colocated": "prefill and decode in one process and one loop (the baseline)"}
     for role, text in helps.items():
-        p = roles.add_parser(role, help=text, description=text,
+        p = roles.add_parser(role, help=text, description=text, epilog=FAULTS_EPILOG,
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         _common_flags(p, role)
         if role in ("decode", "colocated"):

@@ -7,6 +7,8 @@ setting as a flag whose default comes from here, so `--help` tells what is in fo
 import os
 from dataclasses import dataclass, field
 
+from pdserve.faults import Faults
+
 ENV_PREFIX = "PDSERVE_"
 
 
@@ -30,6 +32,7 @@ class CommonSettings:
     instance: str = ""  # name in logs and responses; defaults to <role>@<host>:<port>
     grace_seconds: float = 10.0
     torch_threads: int = 0  # 0: torch's default
+    faults: Faults = field(default_factory=Faults)  # tests only: PDSERVE_FAULTS
 
 
 @dataclass(frozen=True)
@@ -64,11 +67,13 @@ class RouterSettings:
     decode: list[str] = field(default_factory=list)
     max_queue: int = 256
     queue_timeout_seconds: float = 30.0
+    max_attempts: int = 3  # handoff attempts per request before UNAVAILABLE
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one prefill and one decode address")
-        _positive(max_queue=self.max_queue, queue_timeout_seconds=self.queue_timeout_seconds)
+        _positive(max_queue=self.max_queue, queue_timeout_seconds=self.queue_timeout_seconds,
+                  max_attempts=self.max_attempts)
 
 
 @dataclass(frozen=True)

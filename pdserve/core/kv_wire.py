@@ -58,6 +58,11 @@ def digest(chunk_crcs: list[int]) -> int:
     return zlib.crc32(b"".join(c.to_bytes(4, "little") for c in chunk_crcs))
 
 
+def prompt_digest(token_ids) -> int:
+    """Binds a commit to one prompt: CRC-32 of the token ids as int32 little-endian."""
+    return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
+
+
 def decode_chunk(header: ChunkHeader, payload: bytes, config: ModelConfig, prompt_len: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checks a chunk against the model and the prompt; returns read-only K, V views."""

@@ -1,6 +1,7 @@
 """Starting and stopping a grpc.aio server the same way in every service."""
 
 import asyncio
+import contextlib
 import logging
 import signal
 from typing import Awaitable, Callable
@@ -15,7 +16,46 @@ MAX_MESSAGE_BYTES = 8 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect to a restarted instance within a second, not grpc's default of up to 2 minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+class Admission:
+    """Counts requests in flight, and refuses new ones once draining has begun."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self):
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def refuse_if_draining(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this instance is draining and takes no new requests")
+
+    async def drain(self, grace: float) -> bool:
+        """Stops admitting and waits up to `grace` seconds for what is in flight; True if idle."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 class Server:
@@ -37,7 +77,7 @@ class Server:
             await result
 
 
-async def run_until_signalled(server: Server, name: str, grace: float,
+async def run_until_signalled(server: Server, name: str, grace: float, admission: Admission,
                               on_stop: Callable[[], Awaitable[None]] | None = None,
                               serving_at_start: bool = True) -> None:
     """Serves until SIGTERM or SIGINT, then stops admitting and lets in-flight calls finish."""
@@ -50,9 +90,13 @@ async def run_until_signalled(server: Server, name: str, grace: float,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("%s stopping: draining for up to %.1f s", name, grace)
+    log.info("%s draining: %d request(s) in flight, waiting up to %.1f s", name,
+             admission.in_flight, grace)
     await server.set_serving(False)
-    await server.grpc.stop(grace)
+    if not await admission.drain(grace):
+        log.warning("%s: %d request(s) still in flight after %.1f s; cancelling them", name,
+                    admission.in_flight, grace)
+    await server.grpc.stop(1.0)
     if on_stop is not None:
         await on_stop()
     log.info("%s stopped", name)

@@ -13,7 +13,7 @@ from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Server, run_until_signalled
+from pdserve.rpc.server import Admission, Server, run_until_signalled
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -30,8 +30,15 @@ class ColocatedServicer(pb_grpc.RouterServicer):
     def __init__(self, config: ModelConfig, settings: ColocatedSettings, instance: str) -> None:
         self.config, self.instance = config, instance
         self.engine = ColocatedEngine(config, settings)
+        self.admission = Admission()
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        await self.admission.refuse_if_draining(context)
+        with self.admission.track():
+            async for response in self._generate(request, context):
+                yield response
+
+    async def _generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
         try:
             spec = validate(convert.spec_from_generate(request), self.config)
@@ -104,4 +111,5 @@ async def serve(config: ModelConfig, settings: ColocatedSettings) -> None:
     async def on_stop() -> None:
         servicer.engine.loop.stop()
 
-    await run_until_signalled(server, instance, settings.common.grace_seconds, on_stop)
+    await run_until_signalled(server, instance, settings.common.grace_seconds, servicer.admission,
+                              on_stop)

@@ -23,6 +23,8 @@ class DecodeEngine:
         self.pool = BlockPool(settings.num_blocks, settings.block_size)
         self.cache = PagedCache(config, settings.num_blocks, settings.block_size)
         self.scheduler = DecodeScheduler(TinyGPT(config).eval(), self.cache, settings.max_batch)
+        self.faults = settings.common.faults
+        self.steps = 0
         self.loop = EngineLoop("decode-engine", self._step,
                                lambda: self.scheduler.has_work, self.scheduler.fail_all)
 
@@ -31,6 +33,8 @@ class DecodeEngine:
         if stats is not None:
             metrics.DECODE_BATCH.labels("decode").observe(stats.batch_size)
             metrics.STEP_SECONDS.labels("decode", "decode").observe(stats.seconds)
+            self.steps += 1
+            self.faults.after_decode_step(self.steps)
 
     def start(self) -> None:
         self.loop.start()

@@ -12,11 +12,11 @@ import grpc
 from pdserve import metrics
 from pdserve.core.block_pool import PoolExhausted
 from pdserve.core.config import ModelConfig
-from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk
+from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_digest
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Server, run_until_signalled
+from pdserve.rpc.server import Admission, Server, run_until_signalled
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -35,8 +35,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.config, self.settings, self.instance = config, settings, instance
         self.engine = DecodeEngine(config, settings)
         self.leases = LeaseTable(self.engine.pool, config)
+        self.admission = Admission()
+        self.chunks_received = 0
 
     async def Generate(self, request: pb.DecodeRequest, context):
+        await self.admission.refuse_if_draining(context)
+        with self.admission.track():
+            async for event in self._generate(request, context):
+                yield event
+
+    async def _generate(self, request: pb.DecodeRequest, context):
         try:
             spec = validate(convert.spec_from_internal(
                 request.request_id, request.prompt_token_ids, request.sampling), self.config)
@@ -128,6 +136,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.engine.cache.write(header.layer, lease.table.slots(header.token_start,
                                                                 header.token_end), k, v)
         lease.assembly.accepted(header, len(payload))
+        self.chunks_received += 1
+        self.settings.common.faults.after_chunk_received(self.chunks_received)
         if lease.state is LeaseState.GRANTED:
             lease.state, lease.first_chunk_at = LeaseState.RECEIVING, time.perf_counter()
         return lease
@@ -143,6 +153,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         lease = self.leases.for_push(commit.lease_id)
         if current is not None and lease is not current:
             raise LeaseRejected("one KV stream carries one lease")
+        if commit.request_id != lease.spec.request_id or \
+                commit.prompt_digest != prompt_digest(lease.spec.prompt_token_ids):
+            raise LeaseRejected(f"lease {lease.lease_id!r} belongs to another request or prompt")
         lease.assembly.check_commit(commit.num_chunks, commit.digest)
         if not 0 <= commit.first_token_id < self.config.vocab_size:
             raise KvRejected(f"first token {commit.first_token_id} outside the vocabulary")
@@ -183,4 +196,5 @@ async def serve(config: ModelConfig, settings: DecodeSettings) -> None:
         expiry.cancel()
         servicer.engine.stop()
 
-    await run_until_signalled(server, instance, settings.common.grace_seconds, on_stop)
+    await run_until_signalled(server, instance, settings.common.grace_seconds, servicer.admission,
+                              on_stop)

@@ -11,7 +11,9 @@ import time
 import torch
 
 from pdserve.core.config import ModelConfig
-from pdserve.core.kv_wire import crc32, digest, encode_layer, tokens_per_chunk
+from pdserve.core.kv_wire import crc32, digest, encode_layer, prompt_digest, tokens_per_chunk
+from pdserve.core.request import GenerateSpec
+from pdserve.faults import Faults
 from pdserve.v1 import pdserve_pb2 as pb
 
 DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
@@ -19,9 +21,10 @@ DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
 
 
 class KvSender:
-    def __init__(self, loop: asyncio.AbstractEventLoop, lease_id: str, config: ModelConfig,
-                 chunk_bytes: int) -> None:
-        self._loop, self.lease_id, self._config = loop, lease_id, config
+    def __init__(self, loop: asyncio.AbstractEventLoop, lease_id: str, spec: GenerateSpec,
+                 config: ModelConfig, chunk_bytes: int, faults: Faults) -> None:
+        self._loop, self.lease_id, self._spec, self._config = loop, lease_id, spec, config
+        self._faults = faults
         self._tokens_per_chunk = tokens_per_chunk(config, chunk_bytes)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._crcs: list[int] = []
@@ -47,11 +50,13 @@ class KvSender:
             if isinstance(item, int):
                 yield pb.KvPush(commit=pb.KvCommit(
                     lease_id=self.lease_id, first_token_id=item, num_chunks=len(self._crcs),
-                    digest=digest(self._crcs)))
+                    digest=digest(self._crcs), request_id=self._spec.request_id,
+                    prompt_digest=prompt_digest(self._spec.prompt_token_ids)))
                 return
             for chunk in self._chunks(*item):
                 if self.first_sent_at is None:
                     self.first_sent_at = time.perf_counter()
+                await self._faults.before_chunk(chunk)
                 yield pb.KvPush(chunk=chunk)
 
     def _chunks(self, layer: int, k: torch.Tensor, v: torch.Tensor):

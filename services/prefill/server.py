@@ -14,7 +14,7 @@ from pdserve.core.model import TinyGPT
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.rpc import convert
-from pdserve.rpc.server import CHANNEL_OPTIONS, Server, run_until_signalled
+from pdserve.rpc.server import CHANNEL_OPTIONS, Admission, Server, run_until_signalled
 from pdserve.settings import PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -31,6 +31,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.loop = EngineLoop("prefill-engine", self._step,
                                lambda: self.scheduler.has_work, lambda msg: None)
         self._decode_stubs: dict[str, pb_grpc.DecodeStub] = {}
+        self.admission = Admission()
 
     def _step(self) -> None:
         timing = self.scheduler.step()
@@ -40,6 +41,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             metrics.TOKENS.labels("prefill", "prompt").inc(timing.batch_tokens)
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        await self.admission.refuse_if_draining(context)
+        with self.admission.track():
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         try:
             spec = validate(convert.spec_from_internal(
                 request.request_id, request.prompt_token_ids, request.sampling), self.config)
@@ -49,7 +55,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "lease_id and decode_address are required")
         loop = asyncio.get_running_loop()
-        sender = KvSender(loop, request.lease_id, self.config, self.settings.chunk_bytes)
+        sender = KvSender(loop, request.lease_id, spec, self.config, self.settings.chunk_bytes,
+                          self.settings.common.faults)
         done: asyncio.Future = loop.create_future()
         job = PrefillJob(spec, sender.on_layer_kv,
                          on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
@@ -131,4 +138,5 @@ async def serve(config: ModelConfig, settings: PrefillSettings) -> None:
     async def on_stop() -> None:
         servicer.loop.stop()
 
-    await run_until_signalled(server, instance, settings.common.grace_seconds, on_stop)
+    await run_until_signalled(server, instance, settings.common.grace_seconds, servicer.admission,
+                              on_stop)

@@ -37,13 +37,16 @@ class BackendSet:
         self.instances: dict[str, Instance] = {}
         self._turn = itertools.count()
 
-    def ordered(self) -> list[Instance]:
-        """Healthy instances first, rotated so that load spreads round-robin."""
+    def ordered(self, avoid: set[str] = frozenset()) -> list[Instance]:
+        """Healthy instances, rotated so that load spreads round-robin; those in `avoid` (which
+        just failed this request) last. Unhealthy ones only when no instance is healthy."""
         pool = [i for i in self.instances.values() if i.healthy] or list(self.instances.values())
         if not pool:
             return []
         start = next(self._turn) % len(pool)
-        return pool[start:] + pool[:start]
+        rotated = pool[start:] + pool[:start]
+        return [i for i in rotated if i.address not in avoid] + \
+            [i for i in rotated if i.address in avoid]
 
     @property
     def any_healthy(self) -> bool:

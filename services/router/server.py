@@ -4,7 +4,9 @@ A request's life in the router:
   validate -> reserve (a lease on some decode instance; waits, bounded, while every pool is full)
   -> prefill (on some prefill instance, which pushes the KV to that decode instance)
   -> relay tokens from decode to the client -> final response with usage and metrics.
-The client's deadline bounds every outbound call; a client that leaves cancels both.
+A handoff that fails before any token reached the client is retried (bounded, with backoff) on
+other instances; one that fails later ends with UNAVAILABLE, never a silent replay. The client's
+deadline bounds every outbound call; a client that leaves cancels both.
 """
 
 import asyncio
@@ -15,11 +17,10 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve import metrics
-
 from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.rpc import convert
-from pdserve.rpc.server import Server, run_until_signalled
+from pdserve.rpc.server import Admission, Server, run_until_signalled
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -30,12 +31,25 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
 FIRST_BACKOFF_SECONDS = 0.005
 MAX_BACKOFF_SECONDS = 0.1
+RETRY_BACKOFF_SECONDS = 0.05
+# A backend failing with these is worth another try elsewhere; the others are final.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS}
 
 
 class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class HandoffFailed(RouterError):
+    """A backend failed in a way another instance might not; `instances` are to be avoided."""
+
+    def __init__(self, message: str, instances: set[str]) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.instances = instances
 
 
 @dataclass
@@ -50,41 +64,72 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.config, self.settings = config, settings
         self.prefills = BackendSet("prefill", settings.prefill, pb_grpc.PrefillStub)
         self.decodes = BackendSet("decode", settings.decode, pb_grpc.DecodeStub)
+        self.admission = Admission()
         self.waiting = 0
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        await self.admission.refuse_if_draining(context)
         received = time.perf_counter()
         try:
             spec = validate(convert.spec_from_generate(request), self.config)
         except InvalidRequest as exc:
             metrics.record_request("router", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            async for response in self._generate(spec, context, received):
-                yield response
-        except RouterError as exc:
-            log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
-            metrics.record_request("router", exc.code.name)
-            await context.abort(exc.code, str(exc))
+        with self.admission.track():
+            try:
+                async for response in self._with_retries(spec, context, received):
+                    yield response
+            except RouterError as exc:
+                log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
+                metrics.record_request("router", exc.code.name)
+                await context.abort(exc.code, str(exc))
 
-    async def _generate(self, spec: GenerateSpec, context, received: float):
-        reservation = await self._reserve(spec, context)
-        prefill = self._pick_prefill()
+    async def _with_retries(self, spec: GenerateSpec, context, received: float):
+        avoid: set[str] = set()
+        sent = 0
+        for attempt in range(1, self.settings.max_attempts + 1):
+            try:
+                async for response in self._attempt(spec, context, received, attempt, avoid):
+                    sent += 1
+                    yield response
+                return
+            except HandoffFailed as exc:
+                if sent:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"{exc}; tokens had already reached the client, so the "
+                                      f"request is not replayed") from None
+                if attempt == self.settings.max_attempts:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"handoff failed {attempt} times; last: {exc}") from None
+                log.warning("request %s attempt %d failed (%s); retrying elsewhere",
+                            spec.request_id, attempt, exc)
+                avoid |= exc.instances
+                await asyncio.sleep(RETRY_BACKOFF_SECONDS * attempt)
+
+    async def _attempt(self, spec: GenerateSpec, context, received: float, attempt: int,
+                       avoid: set[str]):
+        reservation = await self._reserve(spec, context, avoid)
+        prefill = self._pick_prefill(avoid)
         prefill_call = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
             decode_address=reservation.decode.address), timeout=context.time_remaining()))
         # A failed prefill ends the token stream too, so the relay below never waits forever.
-        prefill_call.add_done_callback(
-            lambda call: call.cancelled() or call.exception() is None or reservation.call.cancel())
+        prefill_call.add_done_callback(lambda call: _failed(call) and reservation.call.cancel())
         try:
-            async for response in self._relay(spec, reservation, prefill_call, prefill, received):
-                yield response
+            async for event in self._relay(reservation, prefill_call, prefill):
+                if isinstance(event, pb.TokenEvent):
+                    yield pb.GenerateResponse(request_id=spec.request_id,
+                                              token_ids=event.token_ids, text=event.text)
+                else:
+                    finished, reply, first_token_at = event
+                    yield self._final(spec, finished, reply, reservation, received,
+                                      first_token_at, attempt)
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
 
-    async def _reserve(self, spec: GenerateSpec, context) -> Reservation:
+    async def _reserve(self, spec: GenerateSpec, context, avoid: set[str]) -> Reservation:
         """A lease from the first decode instance with room, waiting (bounded) while none has."""
         if self.waiting >= self.settings.max_queue:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -94,7 +139,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.waiting += 1
         try:
             while True:
-                for decode in self.decodes.ordered():
+                for decode in self.decodes.ordered(avoid):
                     reservation = await self._try_reserve(decode, spec, context)
                     if reservation is not None:
                         return reservation
@@ -115,10 +160,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             event = await call.read()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RouterError(exc.code(), "deadline passed while waiting for decode room")
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.decodes.mark_down(decode)
-            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise RouterError(exc.code(), "deadline passed while waiting for decode room")
             elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise RouterError(exc.code(), f"decode {decode.address}: {exc.details()}")
             return None
@@ -127,49 +172,53 @@ class RouterServicer(pb_grpc.RouterServicer):
             return None
         return Reservation(call, event.lease, decode)
 
-    def _pick_prefill(self) -> Instance:
-        ordered = self.prefills.ordered()
+    def _pick_prefill(self, avoid: set[str]) -> Instance:
+        ordered = self.prefills.ordered(avoid)
         if not ordered:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no prefill instance is known")
+            raise HandoffFailed("no prefill instance is known", set())
         return ordered[0]
 
-    async def _relay(self, spec: GenerateSpec, reservation: Reservation,
-                     prefill_call: asyncio.Future, prefill: Instance, received: float):
+    async def _relay(self, reservation: Reservation, prefill_call: asyncio.Future,
+                     prefill: Instance):
+        """Token events, then (finished, prefill reply, first token time) once decode is done."""
         first_token_at = None
         try:
-            async for event in _rest_of(reservation.call):
+            while (event := await reservation.call.read()) is not grpc.aio.EOF:
+                first_token_at = first_token_at or time.perf_counter()
                 if event.HasField("tokens"):
-                    first_token_at = first_token_at or time.perf_counter()
-                    yield pb.GenerateResponse(request_id=spec.request_id,
-                                              token_ids=event.tokens.token_ids,
-                                              text=event.tokens.text)
+                    yield event.tokens
                 elif event.HasField("finished"):
-                    first_token_at = first_token_at or time.perf_counter()
-                    reply = await prefill_call
-                    yield self._final(spec, event.finished, reply, reservation, received,
-                                      first_token_at)
+                    yield event.finished, await prefill_call, first_token_at
                     return
         except grpc.aio.AioRpcError as exc:
-            raise self._failure(exc, reservation, prefill_call, prefill) from None
-        raise RouterError(grpc.StatusCode.INTERNAL, "decode ended the token stream early")
+            raise self._failure(exc.code(), exc.details(), reservation, prefill_call,
+                                prefill) from None
+        except asyncio.CancelledError:
+            if not _failed(prefill_call):
+                raise  # the client left
+            # The prefill's failure cancelled the decode call (see _attempt).
+            raise self._failure(grpc.StatusCode.CANCELLED, "cancelled", reservation,
+                                prefill_call, prefill) from None
+        raise HandoffFailed(f"decode {reservation.decode.address} ended the token stream early",
+                            {reservation.decode.address})
 
-    def _failure(self, exc: grpc.aio.AioRpcError, reservation: Reservation,
+    def _failure(self, code: grpc.StatusCode, details: str, reservation: Reservation,
                  prefill_call: asyncio.Future, prefill: Instance) -> RouterError:
         """The most telling error: prefill's when it failed (decode was cancelled for it)."""
-        if prefill_call.done() and not prefill_call.cancelled() and prefill_call.exception():
+        where, culprit = f"decode {reservation.decode.address}", reservation.decode
+        if _failed(prefill_call):
             err = prefill_call.exception()
             if isinstance(err, grpc.aio.AioRpcError):
-                code = err.code()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.prefills.mark_down(prefill)
-                return RouterError(code, f"prefill {prefill.address}: {err.details()}")
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self.decodes.mark_down(reservation.decode)
-        code = grpc.StatusCode.UNAVAILABLE if exc.code() == grpc.StatusCode.ABORTED else exc.code()
-        return RouterError(code, f"decode {reservation.decode.address}: {exc.details()}")
+                code, where, details, culprit = err.code(), f"prefill {prefill.address}", \
+                    err.details(), prefill
+        if code not in RETRYABLE:
+            return RouterError(code, f"{where}: {details}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            (self.prefills if culprit is prefill else self.decodes).mark_down(culprit)
+        return HandoffFailed(f"{where}: {code.name}: {details}", {culprit.address})
 
     def _final(self, spec: GenerateSpec, finished: pb.DecodeFinished, reply: pb.PrefillReply,
-               reservation: Reservation, received: float, first_token_at: float
+               reservation: Reservation, received: float, first_token_at: float, attempt: int
                ) -> pb.GenerateResponse:
         now = time.perf_counter()
         metrics.record_request("router", "OK", first_token_at - received, now - received,
@@ -183,14 +232,15 @@ class RouterServicer(pb_grpc.RouterServicer):
                 end_to_end_seconds=now - received, handoff_bytes=reply.handoff_bytes,
                 handoff_seconds=reply.handoff_seconds, prefill_seconds=reply.prefill_seconds,
                 queue_seconds=reply.queue_seconds, prefill_instance=reply.instance,
-                decode_instance=reservation.lease.instance, attempts=1))
+                decode_instance=reservation.lease.instance, attempts=attempt))
 
     async def refresh_forever(self, server: Server) -> None:
         """Keeps the instance lists and the router's own health status current."""
         serving = None
         while True:
             await asyncio.gather(self.prefills.refresh(), self.decodes.refresh())
-            now_serving = self.prefills.any_healthy and self.decodes.any_healthy
+            now_serving = (self.prefills.any_healthy and self.decodes.any_healthy
+                           and not self.admission.draining)
             if now_serving != serving:
                 log.info("router %s", "serving" if now_serving else
                          "not serving: waiting for a healthy prefill and decode instance")
@@ -199,23 +249,21 @@ class RouterServicer(pb_grpc.RouterServicer):
             await asyncio.sleep(REFRESH_SECONDS)
 
 
-async def _rest_of(call: grpc.aio.UnaryStreamCall):
-    """The stream's remaining messages (its first was read with read(); the two APIs can't mix)."""
-    while (message := await call.read()) is not grpc.aio.EOF:
-        yield message
+def _failed(call: asyncio.Future) -> bool:
+    return call.done() and not call.cancelled() and call.exception() is not None
 
 
 async def serve(config: ModelConfig, settings: RouterSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     servicer = RouterServicer(config, settings)
+    pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.waiting)
-    pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
 
     async def on_stop() -> None:
         refresher.cancel()
         await asyncio.gather(servicer.prefills.close(), servicer.decodes.close())
 
-    await run_until_signalled(server, "router", settings.common.grace_seconds, on_stop,
-                              serving_at_start=False)
+    await run_until_signalled(server, "router", settings.common.grace_seconds, servicer.admission,
+                              on_stop, serving_at_start=False)

@@ -1,0 +1,351 @@
+"""What a bench run reports: the summary text, the JSON document with the run's conditions, and
+PNG charts (matplotlib, imported only when a chart is asked for).
+
+The JSON document (schema "pdserve.bench/1"):
+  conditions  model and parameter count, CPU, torch/Python/gRPC versions, target, workload, seed,
+              rates, objectives, date, command line
+  runs        one per rate: {"rate", "started_at", "summary" (see stats.summarize),
+              "requests" (one record per request, see stats.RequestResult), "notes"}
+"""
+
+import datetime as dt
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from pdserve.bench.runner import RunOptions, RunResult
+from pdserve.bench.stats import summarize
+from pdserve.bench.workload import WorkloadSpec, format_rate
+from pdserve.core.config import ModelConfig
+
+SCHEMA = "pdserve.bench/1"
+METRICS = (("ttft_seconds", "TTFT"), ("tpot_seconds", "TPOT"), ("itl_seconds", "ITL"),
+           ("e2e_seconds", "E2E"))
+
+
+# ---------------------------------------------------------------------------------- conditions
+
+def parameter_count(c: ModelConfig) -> int:
+    """TinyGPT's parameters, counted from its shapes (pdserve.core.model.TinyGPT): token and
+    position embeddings, per block two LayerNorms (weight and bias), qkv, proj, up and down
+    (no biases), the final LayerNorm and an untied output head."""
+    d = c.d_model
+    block = 2 * (2 * d) + 3 * d * d + d * d + 2 * d * c.d_ff
+    return c.vocab_size * d + c.max_context * d + c.n_layers * block + 2 * d + d * c.vocab_size
+
+
+def model_conditions(config: ModelConfig | None = None) -> dict:
+    config = config or ModelConfig()
+    return {
+        "name": "TinyGPT (reference, random weights)",
+        "parameters": parameter_count(config),
+        "config": asdict(config),
+        "kv_bytes_per_token": config.kv_bytes_per_token,
+        "note": "the servers' default ModelConfig, assumed (the Router API does not report it)",
+    }
+
+
+def cpu_conditions(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    model = None
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Processor", "cpu model"):
+                    model = value.strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"model": model or platform.processor() or None, "logical_cpus": os.cpu_count(),
+            "usable_cpus": usable, "machine": platform.machine()}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def conditions(spec: WorkloadSpec, rates: list[float], options: RunOptions, *,
+               label: str = "", preset: str | None = None, slo_ttft: float | None = None,
+               slo_tpot: float | None = None, started: dt.datetime | None = None,
+               argv: list[str] | None = None) -> dict:
+    started = started or dt.datetime.now(dt.timezone.utc)
+    return {
+        "model": model_conditions(),
+        "cpu": cpu_conditions(),
+        "host_note": "CPU and versions are the bench client's host; they describe the servers "
+                     "only when the servers run on the same machine",
+        "software": {"torch": _version("torch"), "python": platform.python_version(),
+                     "grpcio": _version("grpcio"), "pdserve": _version("pdserve"),
+                     "os": platform.platform()},
+        "target": {"address": options.address, "label": label},
+        "workload": {**spec.to_dict(), "preset": preset, "num_requests": options.num_requests,
+                     "duration_seconds": options.duration, "concurrency": options.concurrency,
+                     "warmup_requests": options.warmup, "temperature": options.temperature,
+                     "ignore_eos": options.ignore_eos, "timeout_seconds": options.timeout},
+        "seed": spec.seed,
+        "rates": [None if math.isinf(r) else r for r in rates],
+        "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot},
+        "date": started.isoformat(timespec="seconds"),
+        "command": _command(argv if argv is not None else sys.argv),
+    }
+
+
+def _command(argv: list[str]) -> str:
+    if argv and argv[0].endswith(("__main__.py", "cli.py")):
+        argv = ["python", "-m", "pdserve.bench", *argv[1:]]
+    elif argv and Path(argv[0]).name == "pdserve":
+        argv = ["pdserve", *argv[1:]]
+    return " ".join(argv)
+
+
+def document(conds: dict, runs: list[RunResult], slo_ttft: float | None,
+             slo_tpot: float | None) -> dict:
+    return finite({
+        "schema": SCHEMA,
+        "conditions": conds,
+        "runs": [{
+            "rate": None if math.isinf(run.spec.rate) else run.spec.rate,
+            "started_at": dt.datetime.fromtimestamp(run.started_at_unix, dt.timezone.utc)
+            .isoformat(timespec="milliseconds"),
+            "summary": summarize(run.results, run.duration, slo_ttft, slo_tpot),
+            "requests": [r.to_dict() for r in run.results],
+            "notes": run.notes,
+        } for run in runs],
+    })
+
+
+def write_json(doc: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False, default=_json_default) + "\n")
+    tmp.replace(path)
+
+
+def _json_default(obj):
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _finite(doc):
+    """NaN and infinities become None, so the JSON is strict."""
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_finite(v) for v in doc]
+    return doc
+
+
+def finite(doc: dict) -> dict:
+    return _finite(doc)
+
+
+def load_json(path: str | Path) -> dict:
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a pdserve bench result (schema {doc.get('schema')!r})")
+    return doc
+
+
+# ---------------------------------------------------------------------------------- text
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def conditions_line(conds: dict) -> str:
+    m, cpu, w = conds["model"], conds["cpu"], conds["workload"]
+    arrival = (f"gamma (burstiness {w['burstiness']:g})" if w["arrival"] == "gamma"
+               else w["arrival"])
+    prompts = f"dataset {Path(w['dataset']).name}" if w.get("dataset") else f"prompt {w['prompt_len']}"
+    cpus = cpu.get("usable_cpus") or cpu.get("logical_cpus")
+    return (f"Conditions: {m['name']} ({m['parameters']:,} params), {cpus}x {cpu['model']}, "
+            f"torch {conds['software']['torch']}, {arrival}, {prompts}, output {w['output_len']}, "
+            f"seed {conds['seed']}, measured {conds['date']}")
+
+
+def summary_text(conds: dict, run: dict) -> str:
+    s = run["summary"]
+    rate = format_rate(math.inf if run["rate"] is None else run["rate"])
+    target = conds["target"]
+    who = f"{target['label']} at {target['address']}" if target.get("label") else target["address"]
+    lines = [f"pdserve bench: {who}, rate {rate}"]
+    status = ", ".join(f"{n} {k}" for k, n in s["by_status"].items() if k != "OK")
+    lines.append(f"  requests      {s['ok']} ok, {s['failed']} failed"
+                 + (f" ({status})" if status else "")
+                 + f" in {s['duration_seconds']:.2f} s; {_num(s['request_throughput'])} req/s")
+    lines.append(f"  tokens/s      input {_num(s['input_tokens_per_second'], 1)}, "
+                 f"output {_num(s['output_tokens_per_second'], 1)} "
+                 f"({s['input_tokens']} in, {s['output_tokens']} out)")
+    lines.append("  latency (ms)      mean      p50      p90      p99")
+    for key, name in METRICS + (("server_ttft_seconds", "TTFT@srv"),
+                                ("client_delay_seconds", "send lag")):
+        d = s[key]
+        lines.append(f"    {name:<10}" + "".join(f"{_ms(d[k]):>9}" for k in
+                                                  ("mean", "p50", "p90", "p99")))
+    slo = []
+    if s["slo_ttft_seconds"] is not None:
+        slo.append(f"TTFT <= {s['slo_ttft_seconds'] * 1e3:g} ms")
+    if s["slo_tpot_seconds"] is not None:
+        slo.append(f"TPOT <= {s['slo_tpot_seconds'] * 1e3:g} ms")
+    lines.append(f"  goodput       {_num(s['goodput'])} req/s: {s['requests_meeting_slo']} of "
+                 f"{s['requests']} requests met " + (" and ".join(slo) or "no objective"))
+    hb, hs, bw = s["handoff_bytes"], s["handoff_seconds"], s["handoff_bytes_per_second"]
+    if hb["count"] and hb["max"]:
+        lines.append(f"  handoff       {hb['mean'] / 1024:.1f} KiB/request mean "
+                     f"({hb['p50'] / 1024:.1f} p50, {hb['max'] / 1024:.1f} max); latency ms "
+                     f"p50 {_ms(hs['p50'])}, p90 {_ms(hs['p90'])}, p99 {_ms(hs['p99'])}; "
+                     f"{(bw['p50'] or 0) / 1e6:.1f} MB/s p50")
+    else:
+        lines.append("  handoff       none reported (a colocated engine moves no KV)")
+    for note in run.get("notes", []):
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def sweep_table(conds: dict, runs: list[dict]) -> str:
+    head = (f"{'rate':>8} {'ok':>5} {'fail':>5} {'req/s':>7} {'out tok/s':>10} "
+            f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'E2E p99':>9} "
+            f"{'goodput':>8}")
+    lines = ["rate sweep (latencies in ms):", head]
+    for run in runs:
+        s = run["summary"]
+        rate = "inf" if run["rate"] is None else f"{run['rate']:g}"
+        lines.append(
+            f"{rate:>8} {s['ok']:>5} {s['failed']:>5} {_num(s['request_throughput']):>7} "
+            f"{_num(s['output_tokens_per_second'], 1):>10} "
+            f"{_ms(s['ttft_seconds']['p50']):>9} {_ms(s['ttft_seconds']['p99']):>9} "
+            f"{_ms(s['tpot_seconds']['p50']):>9} {_ms(s['tpot_seconds']['p99']):>9} "
+            f"{_ms(s['e2e_seconds']['p99']):>9} {_num(s['goodput']):>8}")
+    return "\n".join(lines)
+
+
+def report_text(doc: dict) -> str:
+    parts = [summary_text(doc["conditions"], run) for run in doc["runs"]]
+    if len(doc["runs"]) > 1:
+        parts.append(sweep_table(doc["conditions"], doc["runs"]))
+    parts.append(conditions_line(doc["conditions"]))
+    return "\n".join(parts)
+
+
+def _num(x, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------- charts
+
+def _label(doc: dict, fallback: str) -> str:
+    return doc["conditions"]["target"].get("label") or fallback
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(docs: list[tuple[str, dict]], path: str | Path) -> Path:
+    """A sweep (any document with more than one rate): latency percentiles against rate.
+    Otherwise: latency CDFs of each document's single run. Several documents share the axes."""
+    if any(len(doc["runs"]) > 1 for _, doc in docs):
+        return plot_sweep(docs, path)
+    return plot_cdfs(docs, path)
+
+
+def _caption(docs: list[tuple[str, dict]]) -> str:
+    import textwrap
+    return textwrap.fill(conditions_line(docs[0][1]["conditions"]), 150)
+
+
+def plot_sweep(docs: list[tuple[str, dict]], path: str | Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    styles = {"p50": "-", "p90": "--", "p99": ":"}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, doc) in enumerate(docs):
+        runs = [r for r in doc["runs"] if r["rate"] is not None]
+        rates = [r["rate"] for r in runs]
+        color = colors[i % len(colors)]
+        for ax, (key, title) in zip(axes.flat, METRICS):
+            for q, style in styles.items():
+                ys = [_ms_or_nan(r["summary"][key][q]) for r in runs]
+                ax.plot(rates, ys, style, marker="o", color=color, label=f"{name} {q}")
+            ax.set_title(f"{title} percentiles")
+            ax.set_xlabel("arrival rate (req/s)")
+            ax.set_ylabel("ms")
+        ax = axes.flat[4]
+        ax.plot(rates, [r["summary"]["request_throughput"] for r in runs], "-o", color=color,
+                label=f"{name} throughput")
+        ax.plot(rates, [r["summary"]["goodput"] for r in runs], "--s", color=color,
+                label=f"{name} goodput")
+        ax = axes.flat[5]
+        ax.plot(rates, [r["summary"]["output_tokens_per_second"] for r in runs], "-o",
+                color=color, label=f"{name}")
+    axes.flat[4].set_title("requests/s: completed and within SLO")
+    axes.flat[4].set_xlabel("arrival rate (req/s)")
+    axes.flat[5].set_title("output tokens/s")
+    axes.flat[5].set_xlabel("arrival rate (req/s)")
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_caption(docs), fontsize=9)
+    return _save(fig, plt, path)
+
+
+def plot_cdfs(docs: list[tuple[str, dict]], path: str | Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    for name, doc in docs:
+        run = doc["runs"][0]
+        ok = [r for r in run["requests"] if r["status"] == "OK"]
+        series = {
+            "ttft_seconds": [r["ttft"] for r in ok],
+            "tpot_seconds": [r["tpot"] for r in ok],
+            "itl_seconds": [x for r in ok for x in r["itl"]],
+            "e2e_seconds": [r["e2e"] for r in ok],
+        }
+        rate = format_rate(math.inf if run["rate"] is None else run["rate"])
+        for ax, (key, title) in zip(axes.flat, METRICS):
+            xs = sorted(x * 1e3 for x in series[key] if x is not None)
+            if not xs:
+                continue
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            p = run["summary"][key]
+            ax.step(xs, ys, where="post",
+                    label=f"{name} @ {rate}: p50 {_ms(p['p50'])}, p99 {_ms(p['p99'])} ms")
+            ax.set_title(f"{title} CDF")
+            ax.set_xlabel("ms")
+            ax.set_ylabel("fraction of " + ("tokens" if key == "itl_seconds" else "requests"))
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(_caption(docs), fontsize=9)
+    return _save(fig, plt, path)
+
+
+def _ms_or_nan(x) -> float:
+    return math.nan if x is None else x * 1e3
+
+
+def _save(fig, plt, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

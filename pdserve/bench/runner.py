@@ -1,0 +1,299 @@
+"""The load generator: an asyncio gRPC client that sends a workload's requests at their arrival
+times to any `pdserve.v1.Router` endpoint and records what it sees of each one.
+
+Timing is client-side (time.perf_counter): TTFT runs from the call's start to the first token
+received, end-to-end to the stream's close, and the inter-token latencies are the gaps between
+token arrivals (a message carrying k tokens counts as k gaps of 1/k of its gap each, so the gaps
+of a request sum to its last token's time minus its first's). The server's own view (its TTFT,
+queue, prefill and handoff figures) comes from the last response's metrics.
+
+Open loop by default: a request is sent at its arrival time whether or not earlier ones have
+finished. With a concurrency cap a request waits for a free slot; the wait shows up as
+`sent - scheduled` (client delay), and TTFT is measured from `sent`.
+"""
+
+import asyncio
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+import grpc
+
+from pdserve.bench.stats import RequestResult
+from pdserve.bench.workload import BenchRequest, WorkloadSpec, iter_requests
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+FINISH_NAMES = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_LENGTH: "length",
+                pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
+CONNECT_TIMEOUT_SECONDS = 10.0
+MAX_ERROR_LENGTH = 300
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    address: str
+    num_requests: int | None = None
+    duration: float | None = None  # seconds; no new request is sent after this
+    concurrency: int | None = None  # most requests in flight at once; None for no cap
+    timeout: float = 120.0  # per-request deadline, seconds
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    warmup: int = 0  # requests sent one at a time before the measured run, not recorded
+
+    def __post_init__(self) -> None:
+        if self.num_requests is None and self.duration is None:
+            raise ValueError("give a number of requests or a duration")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError("the number of requests must be >= 1")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError("the duration must be > 0 seconds")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("the concurrency cap must be >= 1")
+        if self.timeout <= 0:
+            raise ValueError("the timeout must be > 0 seconds")
+
+
+@dataclass
+class RunResult:
+    spec: WorkloadSpec
+    results: list[RequestResult]
+    duration: float  # wall seconds from the first arrival to the last request's end
+    started_at_unix: float
+    warmup: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class Progress:
+    """A one-line progress bar on a stream, redrawn in place with carriage returns (a terminal),
+    or a line at each tenth of the run (anything else)."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, total: int | None, duration: float | None,
+                 stream: TextIO | None = sys.stderr, enabled: bool = True) -> None:
+        self.label, self.total, self.duration = label, total, duration
+        self.stream = stream if enabled else None
+        self.tty = bool(self.stream is not None and getattr(self.stream, "isatty", lambda: False)())
+        self.started = time.perf_counter()
+        self.done = self.ok = self.sent = 0
+        self._last_draw = 0.0
+        self._last_tenth = -1
+
+    def on_sent(self) -> None:
+        self.sent += 1
+        self._draw()
+
+    def on_done(self, ok: bool) -> None:
+        self.done += 1
+        self.ok += ok
+        self._draw()
+
+    def fraction(self) -> float:
+        elapsed = time.perf_counter() - self.started
+        if self.total:
+            return self.done / self.total
+        return min(elapsed / self.duration, 1.0) if self.duration else 0.0
+
+    def line(self) -> str:
+        frac = self.fraction()
+        filled = int(frac * self.WIDTH)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        failed = self.done - self.ok
+        elapsed = time.perf_counter() - self.started
+        return (f"{self.label} [{bar}] {count} done, {failed} failed, "
+                f"{self.sent - self.done} in flight, {elapsed:.1f} s")
+
+    def _draw(self, force: bool = False) -> None:
+        if self.stream is None:
+            return
+        if self.tty:
+            now = time.perf_counter()
+            if force or now - self._last_draw >= 0.1:
+                self._last_draw = now
+                self.stream.write("\r" + self.line() + "\x1b[K")
+                self.stream.flush()
+            return
+        tenth = int(self.fraction() * 10)
+        if force or tenth > self._last_tenth:
+            self._last_tenth = tenth
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is None:
+            return
+        self._draw(force=True)
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def to_pb(request: BenchRequest, request_id: str, options: RunOptions) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, prompt=request.prompt,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling=pb.SamplingParams(max_tokens=request.max_tokens,
+                                   temperature=options.temperature, seed=request.index,
+                                   ignore_eos=options.ignore_eos))
+
+
+def _server_view(last: pb.GenerateResponse) -> dict:
+    m = last.metrics
+    return {
+        "prompt_tokens": last.usage.prompt_tokens,
+        "completion_tokens": last.usage.completion_tokens,
+        "time_to_first_token_seconds": m.time_to_first_token_seconds,
+        "end_to_end_seconds": m.end_to_end_seconds,
+        "handoff_bytes": m.handoff_bytes,
+        "handoff_seconds": m.handoff_seconds,
+        "prefill_seconds": m.prefill_seconds,
+        "queue_seconds": m.queue_seconds,
+        "prefill_instance": m.prefill_instance,
+        "decode_instance": m.decode_instance,
+        "attempts": m.attempts,
+    }
+
+
+async def send_one(stub: pb_grpc.RouterStub, request: BenchRequest, request_id: str,
+                   options: RunOptions, t0: float, scheduled: float) -> RequestResult:
+    """Sends one request and records its timing; never raises for a failed call."""
+    result = RequestResult(index=request.index, request_id=request_id,
+                           prompt_tokens=request.prompt_len, max_tokens=request.max_tokens,
+                           scheduled=scheduled)
+    sent = time.perf_counter()
+    result.sent = sent - t0
+    first = last = None
+    last_response = None
+    try:
+        call = stub.Generate(to_pb(request, request_id, options), timeout=options.timeout)
+        async for response in call:
+            now = time.perf_counter()
+            k = len(response.token_ids)
+            if k:
+                if first is None:
+                    first = now
+                    result.ttft = now - sent
+                    result.itl.extend([0.0] * (k - 1))
+                else:
+                    result.itl.extend([(now - last) / k] * k)
+                last = now
+                result.output_tokens += k
+            last_response = response
+        result.e2e = time.perf_counter() - sent
+    except grpc.aio.AioRpcError as exc:
+        result.status = exc.code().name
+        result.error = (exc.details() or "")[:MAX_ERROR_LENGTH]
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one request's failure must not end the run
+        result.status = "CLIENT_ERROR"
+        result.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
+    if last_response is not None and last_response.finish_reason:
+        result.finish_reason = FINISH_NAMES.get(last_response.finish_reason, "?")
+        result.server = _server_view(last_response)
+    if result.ok and not result.finish_reason:
+        result.status, result.error = "CLIENT_ERROR", "the stream ended without a final response"
+    return result
+
+
+async def _connect(channel: grpc.aio.Channel, address: str) -> None:
+    try:
+        await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_SECONDS)
+    except asyncio.TimeoutError:
+        raise ConnectionError(f"could not connect to {address} within "
+                              f"{CONNECT_TIMEOUT_SECONDS:.0f} s") from None
+
+
+async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
+                   progress_stream: TextIO | None = sys.stderr,
+                   show_progress: bool = True) -> RunResult:
+    """Runs the workload at spec.rate: one open-loop pass over its requests."""
+    if (options.num_requests is None and math.isinf(spec.rate)
+            and options.concurrency is None):
+        raise ValueError("an infinite rate for a duration needs a concurrency cap")
+    tag = f"bench-s{spec.seed}-r{spec.rate:g}"
+    async with grpc.aio.insecure_channel(options.address) as channel:
+        await _connect(channel, options.address)
+        stub = pb_grpc.RouterStub(channel)
+        notes = []
+        for request in list(_take(spec, options.warmup, None)):
+            warm = await send_one(stub, request, f"{tag}-warmup-{request.index}", options,
+                                  time.perf_counter(), 0.0)
+            if not warm.ok:
+                notes.append(f"warm-up request {request.index} failed: {warm.status} "
+                             f"{warm.error}")
+        progress = Progress(label or f"rate {spec.rate:g}", options.num_requests,
+                            options.duration, progress_stream, show_progress)
+        slots = asyncio.Semaphore(options.concurrency) if options.concurrency else None
+        started_unix = time.time()
+        t0 = time.perf_counter()
+
+        async def one(request: BenchRequest) -> RequestResult:
+            try:
+                r = await send_one(stub, request, f"{tag}-{request.index}", options, t0,
+                                   request.arrival)
+            finally:
+                if slots is not None:
+                    slots.release()
+            progress.on_done(r.ok)
+            return r
+
+        tasks = []
+        try:
+            for request in _take(spec, options.num_requests, options.duration):
+                delay = t0 + request.arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if slots is not None:
+                    await slots.acquire()
+                if options.duration is not None and time.perf_counter() - t0 >= options.duration:
+                    if slots is not None:
+                        slots.release()
+                    break
+                tasks.append(asyncio.create_task(one(request)))
+                progress.on_sent()
+                if slots is None:
+                    await asyncio.sleep(0)  # let the new call start before the next one
+            results = list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            progress.close()
+        duration = time.perf_counter() - t0
+    return RunResult(spec, results, duration, started_unix, options.warmup, notes)
+
+
+def _take(spec: WorkloadSpec, count: int | None, duration: float | None):
+    for request in iter_requests(spec):
+        if count is not None and request.index >= count:
+            return
+        if duration is not None and request.arrival >= duration:
+            return
+        yield request
+
+
+async def run_sweep(spec: WorkloadSpec, rates: list[float], options: RunOptions,
+                    pause: float = 1.0, show_progress: bool = True,
+                    on_run: Callable[[RunResult], None] | None = None) -> list[RunResult]:
+    """Runs the same workload (same seed, so the same requests) at each rate in turn; the warm-up
+    requests go before the first rate only."""
+    runs = []
+    for i, rate in enumerate(rates):
+        if i:
+            await asyncio.sleep(pause)
+        opts = options if i == 0 else RunOptions(
+            options.address, options.num_requests, options.duration, options.concurrency,
+            options.timeout, options.temperature, options.ignore_eos, warmup=0)
+        label = f"rate {rate:g} ({i + 1}/{len(rates)})" if len(rates) > 1 else f"rate {rate:g}"
+        run = await run_rate(spec.with_rate(rate), opts, label, show_progress=show_progress)
+        runs.append(run)
+        if on_run is not None:
+            on_run(run)
+    return runs

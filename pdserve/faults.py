@@ -1,0 +1,77 @@
+"""Fault injection for tests: make a service fail at a chosen point of the KV handoff or decode.
+
+Off unless the process starts with PDSERVE_FAULTS set (e.g. "corrupt_chunk=2" or
+"stall_after_chunks=1,stall_seconds=5"). Nothing received over the network can turn it on. Each
+fault names the point at which it fires:
+
+  drop_after_chunks=N    prefill: break the KV stream instead of sending chunk N (0-based)
+  corrupt_chunk=N        prefill: flip a byte of chunk N after its CRC was computed
+  stall_after_chunks=N   prefill: pause stall_seconds before sending chunk N
+  crash_after_chunks=N   prefill: exit abruptly before sending chunk N
+  decode_crash_after_chunks=N  decode: exit abruptly on receiving its N-th chunk (1-based, all leases)
+  decode_crash_after_steps=N   decode: exit abruptly after its N-th decode step
+"""
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, fields
+
+log = logging.getLogger(__name__)
+
+CRASH_EXIT_CODE = 86
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Faults:
+    drop_after_chunks: int | None = None
+    corrupt_chunk: int | None = None
+    stall_after_chunks: int | None = None
+    stall_seconds: float = 0.0
+    crash_after_chunks: int | None = None
+    decode_crash_after_chunks: int | None = None
+    decode_crash_after_steps: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Faults":
+        """Faults from "name=value,..."; an unknown name is an error, not silently ignored."""
+        types = {f.name: (float if f.name == "stall_seconds" else int) for f in fields(cls)}
+        values = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, _, raw = item.partition("=")
+            if name not in types:
+                raise ValueError(f"unknown fault {name!r}; known: {', '.join(types)}")
+            values[name] = types[name](raw)
+        faults = cls(**values)
+        if values:
+            log.warning("FAULT INJECTION ENABLED: %s", faults)
+        return faults
+
+    async def before_chunk(self, chunk) -> None:
+        """Prefill side, before chunk `chunk.index` goes out (chunk: a protobuf KvChunk)."""
+        index = chunk.index
+        if index == self.crash_after_chunks:
+            log.error("fault: prefill exits before chunk %d", index)
+            os._exit(CRASH_EXIT_CODE)
+        if index == self.stall_after_chunks:
+            log.warning("fault: stalling %.1f s before chunk %d", self.stall_seconds, index)
+            await asyncio.sleep(self.stall_seconds)
+        if index == self.drop_after_chunks:
+            raise InjectedFault(f"fault: KV stream dropped before chunk {index}")
+        if index == self.corrupt_chunk:
+            data = chunk.data
+            chunk.data = bytes([data[0] ^ 0xFF]) + data[1:]
+
+    def after_chunk_received(self, count: int) -> None:
+        if count == self.decode_crash_after_chunks:
+            log.error("fault: decode exits on chunk %d", count)
+            os._exit(CRASH_EXIT_CODE)
+
+    def after_decode_step(self, count: int) -> None:
+        if count == self.decode_crash_after_steps:
+            log.error("fault: decode exits after step %d", count)
+            os._exit(CRASH_EXIT_CODE)

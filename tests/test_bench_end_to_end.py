@@ -1,0 +1,120 @@
+"""`pdserve bench` against a real stack: `pdserve up` on a free port, 20 requests at 8 req/s."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.bench import cli, report
+from pdserve.client import check_health
+from pdserve.core.config import ModelConfig
+from pdserve.launcher import free_port
+
+READY_SECONDS = 90.0
+NUM_REQUESTS = 20
+
+
+@pytest.fixture(scope="module")
+def stack():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        env={**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"})
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + READY_SECONDS
+        while not check_health(address, timeout=1.0):
+            if proc.poll() is not None:
+                pytest.fail(f"pdserve up exited ({proc.returncode}): "
+                            f"{proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the stack was not serving after {READY_SECONDS:.0f} s")
+            time.sleep(0.25)
+        yield address
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to `pdserve up` (it stops its three services); then the whole group, by force."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session this test started, services included
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+    proc.stderr.close()
+
+
+def test_bench_against_stack(stack, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = cli.main(["--address", stack, "--rate", "8", "-n", str(NUM_REQUESTS),
+                   "--prompt-len", "16-64", "--output-len", "8-16", "--seed", "3",
+                   "--label", "disaggregated", "--json", str(out), "--timeout", "30"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert f"{NUM_REQUESTS} ok, 0 failed" in stdout
+    assert "TTFT" in stdout and "goodput" in stdout and "Conditions:" in stdout
+
+    doc = report.load_json(out)
+    conds = doc["conditions"]
+    assert conds["model"]["parameters"] == report.parameter_count(ModelConfig())
+    assert conds["cpu"]["model"] and conds["software"]["torch"]
+    assert conds["seed"] == 3 and conds["rates"] == [8.0]
+    assert conds["workload"]["arrival"] == "poisson"
+    assert conds["workload"]["prompt_len"] == "16-64"
+    assert conds["target"] == {"address": stack, "label": "disaggregated"}
+    assert conds["date"]
+
+    (run,) = doc["runs"]
+    s = run["summary"]
+    assert (s["requests"], s["ok"], s["failed"]) == (NUM_REQUESTS, NUM_REQUESTS, 0)
+    assert s["by_status"] == {"OK": NUM_REQUESTS}
+    requests = run["requests"]
+    assert len(requests) == NUM_REQUESTS
+    assert sorted(r["index"] for r in requests) == list(range(NUM_REQUESTS))
+    kv_per_token = ModelConfig().kv_bytes_per_token
+    for r in requests:
+        assert r["status"] == "OK" and r["finish_reason"] == "length"
+        assert r["output_tokens"] == r["max_tokens"]  # ignore_eos: exact lengths
+        assert len(r["itl"]) == r["output_tokens"] - 1
+        assert 0 < r["ttft"] <= r["e2e"]
+        assert r["tpot"] == pytest.approx((r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1),
+                                          rel=1e-4, abs=1e-6)
+        srv = r["server"]
+        assert srv["completion_tokens"] == r["output_tokens"]
+        assert srv["prompt_tokens"] == r["prompt_tokens"]
+        assert srv["handoff_bytes"] == r["prompt_tokens"] * kv_per_token
+        assert srv["handoff_seconds"] > 0
+        # The server's TTFT starts later (on receipt) than the client's (on send).
+        assert srv["time_to_first_token_seconds"] <= r["ttft"] + 1e-3
+    assert s["output_tokens"] == sum(r["max_tokens"] for r in requests)
+    assert s["input_tokens"] == sum(r["prompt_tokens"] for r in requests)
+    for key in ("ttft_seconds", "tpot_seconds", "itl_seconds", "e2e_seconds",
+                "handoff_bytes", "handoff_seconds"):
+        d = s[key]
+        assert d["p50"] is not None and d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+    assert s["goodput"] <= s["request_throughput"]
+
+    # Re-rendering saved results (and a chart, when matplotlib is there) needs no server.
+    args = ["--from-json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+        args += ["--plot", str(tmp_path / "cdf.png")]
+    except ImportError:
+        pass
+    assert cli.main(args) == 0
+    assert f"{NUM_REQUESTS} ok, 0 failed" in capsys.readouterr().out
+    if "--plot" in args:
+        assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.dumps(doc, allow_nan=False)  # strict JSON

@@ -1,0 +1,242 @@
+"""The bench client's workload, statistics and report, without a server."""
+
+import json
+import math
+import statistics
+
+import pytest
+
+from pdserve.bench import cli, report, stats, workload
+from pdserve.bench.stats import RequestResult
+from pdserve.bench.workload import LengthRange, WorkloadSpec
+from pdserve.core.config import ModelConfig
+
+
+def _spec(**kw) -> WorkloadSpec:
+    return WorkloadSpec(**{"seed": 7, **kw})
+
+
+def _key(requests):
+    return [(r.index, r.arrival, r.max_tokens, r.prompt_token_ids, r.prompt) for r in requests]
+
+
+# ---------------------------------------------------------------------------------- workload
+
+@pytest.mark.parametrize("kind", ["tokens", "text"])
+@pytest.mark.parametrize("arrival", ["poisson", "gamma"])
+def test_same_seed_same_sequence(arrival, kind):
+    a = workload.generate(_spec(arrival=arrival, burstiness=0.5, prompt_kind=kind), 200)
+    b = workload.generate(_spec(arrival=arrival, burstiness=0.5, prompt_kind=kind), 200)
+    assert _key(a) == _key(b)
+    assert len(a) == 200
+
+
+def test_different_seed_differs():
+    a = workload.generate(_spec(seed=1), 50)
+    b = workload.generate(_spec(seed=2), 50)
+    assert [r.arrival for r in a] != [r.arrival for r in b]
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in b]
+    assert [r.max_tokens for r in a] != [r.max_tokens for r in b]
+
+
+def test_rate_only_scales_arrivals():
+    slow = workload.generate(_spec(rate=2.0), 50)
+    fast = workload.generate(_spec(rate=8.0), 50)
+    assert [r.prompt_token_ids for r in slow] == [r.prompt_token_ids for r in fast]
+    assert [r.max_tokens for r in slow] == [r.max_tokens for r in fast]
+    for s, f in zip(slow, fast):
+        assert s.arrival == pytest.approx(4 * f.arrival)
+
+
+def test_lengths_and_token_ranges():
+    reqs = workload.generate(_spec(prompt_len=LengthRange(64, 256),
+                                   output_len=LengthRange(16, 48)), 500)
+    assert reqs[0].arrival == 0.0
+    assert all(b.arrival >= a.arrival for a, b in zip(reqs, reqs[1:]))
+    assert {64 <= r.prompt_len <= 256 and 16 <= r.max_tokens <= 48 for r in reqs} == {True}
+    assert all(32 <= t <= 126 for r in reqs for t in r.prompt_token_ids)
+    # Uniform over the range: both ends get reached with 500 draws.
+    assert min(r.max_tokens for r in reqs) == 16 and max(r.max_tokens for r in reqs) == 48
+    fixed = workload.generate(_spec(prompt_len=LengthRange.parse("100"),
+                                    output_len=LengthRange.parse("8")), 20)
+    assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(100, 8)}
+
+
+def test_text_prompts_match_token_prompts():
+    toks = workload.generate(_spec(prompt_kind="tokens"), 10)
+    text = workload.generate(_spec(prompt_kind="text"), 10)
+    for t, x in zip(toks, text):
+        assert list(x.prompt.encode("ascii")) == list(t.prompt_token_ids)
+        assert x.prompt_len == t.prompt_len
+
+
+def test_poisson_mean_rate():
+    reqs = workload.generate(_spec(rate=16.0, prompt_len=LengthRange(1, 1)), 20001)
+    gaps = [b.arrival - a.arrival for a, b in zip(reqs, reqs[1:])]
+    rate = len(gaps) / sum(gaps)
+    assert rate == pytest.approx(16.0, rel=0.03)
+    cv = statistics.pstdev(gaps) / statistics.fmean(gaps)
+    assert cv == pytest.approx(1.0, abs=0.05)
+
+
+def test_gamma_burstiness_keeps_rate_and_raises_cv():
+    def gaps(**kw):
+        reqs = workload.generate(_spec(rate=10.0, prompt_len=LengthRange(1, 1), **kw), 20001)
+        return [b.arrival - a.arrival for a, b in zip(reqs, reqs[1:])]
+
+    poisson = gaps(arrival="poisson")
+    bursty = gaps(arrival="gamma", burstiness=0.25)
+    smooth = gaps(arrival="gamma", burstiness=4.0)
+    cv = {name: statistics.pstdev(g) / statistics.fmean(g)
+          for name, g in (("poisson", poisson), ("bursty", bursty), ("smooth", smooth))}
+    assert len(bursty) / sum(bursty) == pytest.approx(10.0, rel=0.06)
+    assert len(smooth) / sum(smooth) == pytest.approx(10.0, rel=0.03)
+    assert cv["bursty"] > 1.5 * cv["poisson"]  # expected 2.0 vs 1.0
+    assert cv["bursty"] == pytest.approx(2.0, rel=0.15)
+    assert cv["smooth"] == pytest.approx(0.5, rel=0.1)
+
+
+def test_duration_and_infinite_rate():
+    reqs = workload.generate(_spec(rate=10.0), duration=5.0)
+    assert reqs and all(r.arrival < 5.0 for r in reqs)
+    assert 25 <= len(reqs) <= 80
+    burst = workload.generate(_spec(rate=math.inf), 5)
+    assert [r.arrival for r in burst] == [0.0] * 5
+    with pytest.raises(ValueError):
+        workload.generate(_spec(rate=math.inf), duration=1.0)
+
+
+def test_dataset(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": f"prompt number {i}", "max_tokens": i + 1} for i in range(5)]
+    lines.append({"prompt": "no max tokens"})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    spec = _spec(dataset=str(path), output_len=LengthRange(3, 3))
+    a = workload.generate(spec, 12)
+    assert _key(a) == _key(workload.generate(spec, 12))
+    # Two shuffled passes: each prompt exactly twice, and max_tokens from the line or the range.
+    assert sorted(r.prompt for r in a) == sorted([x["prompt"] for x in lines] * 2)
+    for r in a:
+        assert r.max_tokens == (3 if r.prompt == "no max tokens"
+                                else int(r.prompt.split()[-1]) + 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        workload.generate(_spec(dataset=str(bad)), 1)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError):
+        WorkloadSpec(arrival="uniform")
+    with pytest.raises(ValueError):
+        WorkloadSpec(rate=0)
+    with pytest.raises(ValueError):
+        WorkloadSpec(arrival="gamma", burstiness=0)
+    with pytest.raises(ValueError):
+        LengthRange.parse("10-5")
+    assert LengthRange.parse("64-256") == LengthRange(64, 256)
+
+
+# ---------------------------------------------------------------------------------- stats
+
+def test_percentiles_known_values():
+    xs = list(range(1, 101))  # 1..100
+    assert stats.percentile(xs, 50) == pytest.approx(50.5)
+    assert stats.percentile(xs, 90) == pytest.approx(90.1)
+    assert stats.percentile(xs, 99) == pytest.approx(99.01)
+    assert stats.percentile(xs, 0) == 1 and stats.percentile(xs, 100) == 100
+    assert stats.percentile([3.0], 99) == 3.0
+    assert stats.percentile([10, 0], 25) == pytest.approx(2.5)  # unsorted input
+    assert math.isnan(stats.percentile([], 50))
+    d = stats.describe([4.0, 1.0, None, 2.0, 3.0])
+    assert d == {"count": 4, "mean": 2.5, "min": 1.0, "max": 4.0, "p50": 2.5,
+                 "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+    assert stats.describe([])["p50"] is None
+
+
+def _result(i, ttft, e2e, tokens, status="OK", **kw):
+    return RequestResult(index=i, request_id=str(i), prompt_tokens=100, max_tokens=tokens,
+                         scheduled=0.0, sent=0.0, status=status, ttft=ttft, e2e=e2e,
+                         output_tokens=tokens, **kw)
+
+
+def test_tpot():
+    assert _result(0, 0.1, 1.1, 11).tpot == pytest.approx(0.1)
+    assert _result(0, 0.1, 0.1, 1).tpot is None
+
+
+def test_goodput_counting():
+    results = [
+        _result(0, 0.10, 0.10 + 9 * 0.02, 10),  # meets both
+        _result(1, 0.30, 0.30 + 9 * 0.02, 10),  # TTFT too slow
+        _result(2, 0.10, 0.10 + 9 * 0.08, 10),  # TPOT too slow
+        _result(3, 0.15, 0.15, 1),  # one token: judged on TTFT only, meets
+        _result(4, None, None, 0, status="RESOURCE_EXHAUSTED"),
+        _result(5, 0.05, 0.05 + 9 * 0.05, 10),  # exactly at the TPOT objective: meets
+    ]
+    assert stats.goodput(results, 2.0, 0.2, 0.05) == pytest.approx(3 / 2.0)
+    assert stats.goodput(results, 2.0, None, None) == pytest.approx(5 / 2.0)
+    assert stats.goodput(results, 2.0, 0.2, None) == pytest.approx(4 / 2.0)
+    s = stats.summarize(results, 2.0, 0.2, 0.05)
+    assert (s["requests"], s["ok"], s["failed"]) == (6, 5, 1)
+    assert s["by_status"] == {"OK": 5, "RESOURCE_EXHAUSTED": 1}
+    assert s["requests_meeting_slo"] == 3 and s["goodput"] == pytest.approx(1.5)
+    assert s["output_tokens"] == 41 and s["output_tokens_per_second"] == pytest.approx(20.5)
+    assert s["input_tokens"] == 500
+    assert s["ttft_seconds"]["count"] == 5 and s["tpot_seconds"]["count"] == 4
+
+
+# ---------------------------------------------------------------------------------- report, CLI
+
+def test_parameter_count_matches_model():
+    config = ModelConfig()
+    n = report.parameter_count(config)
+    assert n == 5_905_408
+    torch = pytest.importorskip("torch")
+    from pdserve.core.model import TinyGPT
+    torch.manual_seed(0)
+    small = ModelConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_context=128)
+    assert report.parameter_count(small) == sum(p.numel() for p in TinyGPT(small).parameters())
+
+
+def test_conditions_and_text(tmp_path):
+    from pdserve.bench.runner import RunOptions, RunResult
+    spec = _spec(rate=16.0)
+    options = RunOptions("127.0.0.1:1", num_requests=2)
+    conds = report.conditions(spec, [16.0], options, label="test", preset="chapter",
+                              slo_ttft=0.2, slo_tpot=0.05)
+    results = [_result(0, 0.1, 0.5, 5, server={"handoff_bytes": 4096, "handoff_seconds": 0.001,
+                                                 "time_to_first_token_seconds": 0.09}),
+               _result(1, None, None, 0, status="UNAVAILABLE")]
+    doc = report.document(conds, [RunResult(spec, results, 1.0, 0.0)], 0.2, 0.05)
+    text = report.report_text(doc)
+    assert "1 ok, 1 failed (1 UNAVAILABLE)" in text
+    assert "5,905,408 params" in text and "seed 7" in text
+    path = tmp_path / "r.json"
+    report.write_json(doc, path)
+    loaded = report.load_json(path)
+    assert loaded["conditions"]["model"]["parameters"] == 5_905_408
+    assert loaded["conditions"]["workload"]["arrival"] == "poisson"
+    assert loaded["runs"][0]["summary"]["handoff_bytes"]["p50"] == 4096
+
+
+def test_cli_rates_presets_and_times():
+    assert cli.parse_rates("16") == [16.0]
+    assert cli.parse_rates("2,4, 8") == [2.0, 4.0, 8.0]
+    assert cli.parse_rates("2:8:2") == [2.0, 4.0, 6.0, 8.0]
+    assert cli.parse_rates("inf") == [math.inf]
+    with pytest.raises(ValueError):
+        cli.parse_rates("0")
+    assert cli.seconds("200ms") == pytest.approx(0.2)
+    assert cli.seconds("1.5") == 1.5
+    import argparse
+    parser = argparse.ArgumentParser()
+    cli.add_bench(parser.add_subparsers())
+    spec, rates, options, _ = cli.build(parser.parse_args(["bench", "--preset", "chapter"]))
+    assert (spec.arrival, rates, str(spec.prompt_len), str(spec.output_len), spec.seed,
+            options.num_requests) == ("poisson", [16.0], "64-256", "16-48", 7, 100)
+    spec, rates, options, _ = cli.build(parser.parse_args(
+        ["bench", "--preset", "chapter", "--rate", "4,8", "-n", "20"]))
+    assert rates == [4.0, 8.0] and options.num_requests == 20 and spec.seed == 7
+    spec, rates, options, _ = cli.build(parser.parse_args(["bench", "--duration", "3"]))
+    assert options.num_requests is None and options.duration == 3.0
