@@ -50,13 +50,17 @@ class Service:
         return self.proc.returncode
 
 
-def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None) -> Service:
-    """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING."""
+def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None,
+                  faults: str = "") -> Service:
+    """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING.
+
+    `faults` sets PDSERVE_FAULTS for this process only (see pdserve/faults.py).
+    """
     port = port or free_port()
     log_path = os.path.join(tmp_dir, f"{role}-{port}.log")
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", role, "--host", "127.0.0.1",
            "--port", str(port), *flags]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_FAULTS=faults)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     service = Service(role, port, proc, log_path)
@@ -77,6 +81,12 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def start_router(prefills: list[Service], decodes: list[Service], *flags: str, tmp_dir: str,
+                 port: int | None = None) -> Service:
+    return start_service("router", "--prefill", *[p.address for p in prefills], "--decode",
+                         *[d.address for d in decodes], *flags, tmp_dir=tmp_dir, port=port)
 
 
 @dataclass
@@ -101,6 +111,16 @@ class Stack:
 
     def pool_stats(self, i: int = 0) -> pb.PoolStats:
         return self.decode_stub(i).GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+
+    def pools_settled(self) -> bool:
+        """Every live decode instance has all its blocks free and holds nothing."""
+        for i, decode in enumerate(self.decodes):
+            if decode.proc.poll() is None:
+                stats = self.pool_stats(i)
+                if stats.free_blocks != stats.total_blocks or stats.running or \
+                        stats.pending_leases:
+                    return False
+        return True
 
     def stop(self) -> None:
         for channel in self.channels.values():

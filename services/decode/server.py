@@ -103,7 +103,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         try:
             async for push in request_iterator:
                 if push.HasField("chunk"):
-                    lease = self._accept_chunk(push.chunk, lease)
+                    lease = self._stream_lease(push.chunk.lease_id, lease)
+                    self._accept_chunk(push.chunk, lease)
                 elif push.HasField("commit"):
                     return self._commit(push.commit, lease)
                 else:
@@ -120,12 +121,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 self.leases.void(lease, "KV stream broke before its commit")
             raise
 
-    def _accept_chunk(self, chunk: pb.KvChunk, current: Lease | None) -> Lease:
-        lease = self.leases.for_push(chunk.lease_id)
+    def _stream_lease(self, lease_id: str, current: Lease | None) -> Lease:
+        """The lease this stream writes to: the one its first chunk named, and no other."""
+        lease = self.leases.for_push(lease_id)
         if current is None and lease.state is not LeaseState.GRANTED:
-            raise LeaseRejected(f"lease {chunk.lease_id!r} is already receiving on another stream")
+            raise LeaseRejected(f"lease {lease_id!r} is already receiving on another stream")
         if current is not None and lease is not current:
             raise LeaseRejected("one KV stream carries one lease")
+        return lease
+
+    def _accept_chunk(self, chunk: pb.KvChunk, lease: Lease) -> None:
         payload = chunk.data  # read once: every access copies
         header = ChunkHeader(chunk.index, chunk.layer, chunk.token_start, chunk.token_end,
                              DTYPE_FROM_PB.get(chunk.dtype, "unspecified"), tuple(chunk.shape),
@@ -140,7 +145,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.settings.common.faults.after_chunk_received(self.chunks_received)
         if lease.state is LeaseState.GRANTED:
             lease.state, lease.first_chunk_at = LeaseState.RECEIVING, time.perf_counter()
-        return lease
 
     def _commit(self, commit: pb.KvCommit, current: Lease | None) -> pb.PushKvReply:
         key = (commit.first_token_id, commit.num_chunks, commit.digest)

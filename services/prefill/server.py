@@ -121,9 +121,8 @@ async def _first_of(done: asyncio.Future, push: asyncio.Future):
 
 
 def _push_status(code: grpc.StatusCode) -> grpc.StatusCode:
-    """A failed push is the decode side's trouble: keep its code unless it names our input."""
-    return grpc.StatusCode.UNAVAILABLE if code in (
-        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else code
+    """ABORTED: the handoff failed on the decode side (this prefill is fine); the details say why."""
+    return code if code == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.ABORTED
 
 
 async def serve(config: ModelConfig, settings: PrefillSettings) -> None:

@@ -206,11 +206,11 @@ class RouterServicer(pb_grpc.RouterServicer):
                  prefill_call: asyncio.Future, prefill: Instance) -> RouterError:
         """The most telling error: prefill's when it failed (decode was cancelled for it)."""
         where, culprit = f"decode {reservation.decode.address}", reservation.decode
-        if _failed(prefill_call):
+        if _failed(prefill_call) and isinstance(prefill_call.exception(), grpc.aio.AioRpcError):
             err = prefill_call.exception()
-            if isinstance(err, grpc.aio.AioRpcError):
-                code, where, details, culprit = err.code(), f"prefill {prefill.address}", \
-                    err.details(), prefill
+            code, details, where = err.code(), err.details(), f"prefill {prefill.address}"
+            # ABORTED: prefill is fine, its push to decode failed; anything else is prefill's own.
+            culprit = reservation.decode if code == grpc.StatusCode.ABORTED else prefill
         if code not in RETRYABLE:
             return RouterError(code, f"{where}: {details}")
         if code == grpc.StatusCode.UNAVAILABLE:

@@ -1,0 +1,224 @@
+"""Failure handling, proven by injecting faults into real processes.
+
+Every test builds its own small stack, bounds every wait, and ends with every live decode pool
+holding nothing (Stack.pools_settled).
+"""
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from procs import (Stack, generate, greedy_request, start_router, start_service, wait_until)
+from pdserve.v1 import pdserve_pb2 as pb
+
+SETTLE_SECONDS = 15.0
+STALL = "stall_after_chunks=1,stall_seconds=3"
+THREADS = ("--torch-threads", "1")
+
+
+@pytest.fixture
+def services(tmp_path):
+    """Starts services on demand and stops every one of them at the end of the test."""
+    started = []
+
+    def start(role, *flags, faults="", port=None):
+        service = start_service(role, *THREADS, *flags, tmp_dir=str(tmp_path), faults=faults,
+                                port=port)
+        started.append(service)
+        return service
+
+    def router(prefills, decodes, *flags, port=None):
+        service = start_router(prefills, decodes, *flags, tmp_dir=str(tmp_path), port=port)
+        started.append(service)
+        return service
+
+    start.router = router
+    yield start
+    for service in started:
+        service.stop(signal.SIGKILL)
+
+
+def settled(stack: Stack) -> None:
+    wait_until(stack.pools_settled, SETTLE_SECONDS, "every decode pool to be empty again")
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value
+
+
+def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
+    decode = services("decode", "--num-blocks", "24")  # 384 tokens: three requests at a time
+    prefill = services("prefill")
+    router = services.router([prefill], [decode], "--max-queue", "40",
+                             "--queue-timeout-seconds", "3")
+    stack = Stack(router, [prefill], [decode])
+    stub = stack.router_stub()
+
+    def one(i):
+        try:
+            tokens, _, last = generate(stub, greedy_request([i % 256] * (40 + i % 80), 8), 60)
+            return "ok" if len(tokens) == 8 and last.usage.completion_tokens == 8 else "short"
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+    with ThreadPoolExecutor(200) as pool:
+        outcomes = list(pool.map(one, range(200)))
+    counts = {o: outcomes.count(o) for o in set(outcomes)}
+    assert set(counts) <= {"ok", "RESOURCE_EXHAUSTED"}, counts
+    assert counts.get("ok", 0) + counts.get("RESOURCE_EXHAUSTED", 0) == 200
+    assert counts.get("ok", 0) > 0 and counts.get("RESOURCE_EXHAUSTED", 0) > 0, counts
+    settled(stack)
+
+
+def pending_on(stack: Stack) -> int:
+    """Index of the decode instance holding an uncommitted lease (mid-transfer)."""
+    return next((i for i in range(len(stack.decodes)) if stack.decodes[i].proc.poll() is None
+                 and stack.pool_stats(i).pending_leases), -1) + 1
+
+
+def test_decode_killed_mid_transfer_request_completes_on_the_other(services):
+    decodes = [services("decode"), services("decode")]
+    prefill = services("prefill", faults=STALL)
+    stack = Stack(services.router([prefill], decodes), [prefill], decodes)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(generate, stack.router_stub(), greedy_request(list(range(200)), 6))
+        victim = wait_until(lambda: pending_on(stack), 10, "a lease mid-transfer") - 1
+        decodes[victim].stop(signal.SIGKILL)
+        tokens, _, last = reply.result(timeout=30)
+    assert len(tokens) == 6 and last.metrics.attempts == 2
+    assert last.metrics.decode_instance.endswith(f":{decodes[1 - victim].port}")
+    tokens, _, _ = generate(stack.router_stub(), greedy_request([1, 2, 3], 4))
+    assert len(tokens) == 4
+    settled(stack)
+
+
+def test_decode_killed_mid_decode_ends_with_unavailable_not_a_replay(services):
+    decodes = [services("decode"), services("decode")]
+    prefill = services("prefill")
+    stack = Stack(services.router([prefill], decodes), [prefill], decodes)
+    call = stack.router_stub().Generate(greedy_request([5] * 20, 3000), timeout=60)
+    assert next(call).token_ids
+    victim = next(i for i in range(2) if stack.pool_stats(i).running)
+    decodes[victim].stop(signal.SIGKILL)
+    err = rpc_error(lambda: list(call))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "not replayed" in err.details()
+    tokens, _, last = generate(stack.router_stub(), greedy_request([1, 2, 3], 4))
+    assert len(tokens) == 4 and last.metrics.decode_instance.endswith(
+        f":{decodes[1 - victim].port}")
+    settled(stack)
+
+
+def test_prefill_killed_mid_transfer_then_replaced(services):
+    decode = services("decode")
+    prefill = services("prefill", faults=STALL)
+    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(generate, stack.router_stub(), greedy_request(list(range(200)), 6))
+        wait_until(lambda: pending_on(stack), 10, "a lease mid-transfer")
+        prefill.stop(signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            reply.result(timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "prefill" in err.value.details()
+    settled(stack)
+    # A new prefill on the same port: the router resumes once its health check passes.
+    services("prefill", port=prefill.port)
+    tokens = wait_until(lambda: _try_generate(stack), 20, "the router to use the new prefill")
+    assert len(tokens) == 4
+    settled(stack)
+
+
+def _try_generate(stack: Stack):
+    try:
+        return generate(stack.router_stub(), greedy_request([1, 2, 3], 4), timeout=10)[0]
+    except grpc.RpcError:
+        return None
+
+
+def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
+    decode = services("decode")
+    prefills = [services("prefill", faults="drop_after_chunks=2"), services("prefill")]
+    stack = Stack(services.router(prefills, [decode]), prefills, [decode])
+    attempts = []
+    for i in range(4):
+        tokens, _, last = generate(stack.router_stub(), greedy_request([i + 1] * 100, 5))
+        assert len(tokens) == 5
+        attempts.append(last.metrics.attempts)
+    assert 2 in attempts and set(attempts) <= {1, 2}
+    settled(stack)
+
+
+def test_corrupted_chunk_is_refused_and_reported(services):
+    decode = services("decode")
+    prefill = services("prefill", faults="corrupt_chunk=1")
+    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    err = rpc_error(lambda: generate(stack.router_stub(), greedy_request([7] * 100, 5)))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "CRC-32" in err.details() and "3 times" in err.details()
+    settled(stack)
+
+
+def test_router_killed_while_decode_holds_leases_blocks_return(services):
+    decode = services("decode")
+    prefill = services("prefill", faults=STALL)
+    router = services.router([prefill], [decode])
+    stack = Stack(router, [prefill], [decode])
+    calls = [stack.router_stub().Generate(greedy_request([9] * 150, 5), timeout=30)
+             for _ in range(3)]
+    wait_until(lambda: stack.pool_stats().pending_leases == 3, 10, "three leases")
+    assert stack.pool_stats().free_blocks < stack.pool_stats().total_blocks
+    router.stop(signal.SIGKILL)
+    for call in calls:
+        call.cancel()
+    settled(stack)
+    stack.router = services.router([prefill], [decode], port=router.port)
+    stack.channels.clear()
+    tokens, _, _ = generate(stack.router_stub(), greedy_request([1, 2], 3), timeout=30)
+    assert len(tokens) == 3
+    settled(stack)
+
+
+def test_sigterm_drains_router_in_flight_finish_new_refused(services):
+    decode = services("decode")
+    prefill = services("prefill")
+    router = services.router([prefill], [decode])
+    stack = Stack(router, [prefill], [decode])
+    calls = [stack.router_stub().Generate(greedy_request([i] * 50, 300), timeout=60)
+             for i in range(6)]
+    firsts = [next(call) for call in calls]  # all six are streaming
+    assert all(f.token_ids for f in firsts)
+    router.proc.send_signal(signal.SIGTERM)
+    err = wait_until(lambda: _refused(stack), 10, "new requests to be refused")
+    assert "draining" in err.details()
+    for call in calls:
+        rest = list(call)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token_ids) for r in rest) + 1 == 300
+    assert router.proc.wait(20) == 0
+    settled(stack)
+
+
+def test_sigterm_drains_decode(services):
+    decode = services("decode")
+    prefill = services("prefill")
+    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    calls = [stack.router_stub().Generate(greedy_request([i] * 30, 200), timeout=60)
+             for i in range(4)]
+    assert all(next(call).token_ids for call in calls)
+    decode.proc.send_signal(signal.SIGTERM)
+    for call in calls:
+        assert list(call)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert decode.proc.wait(20) == 0
+
+
+def _refused(stack: Stack):
+    try:
+        generate(stack.router_stub(), greedy_request([1], 2), timeout=5)
+    except grpc.RpcError as exc:
+        return exc if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+    return None

@@ -1,0 +1,170 @@
+"""The decode service's ownership rules, driven directly over gRPC with KV computed here."""
+
+import signal
+
+import grpc
+import pytest
+import torch
+
+from procs import start_service, wait_until
+from reference import model
+from pdserve.core import kv_wire
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+PROMPT = list(range(40, 90))
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    service = start_service("decode", "--torch-threads", "1",
+                            tmp_dir=str(tmp_path_factory.mktemp("decode")))
+    channel = grpc.insecure_channel(service.address)
+    yield pb_grpc.DecodeStub(channel)
+    channel.close()
+    service.stop(signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def pool_returns(decode):
+    yield
+    wait_until(lambda: _stats(decode).free_blocks == _stats(decode).total_blocks, 10,
+               "the decode pool to be empty again")
+
+
+def _stats(stub) -> pb.PoolStats:
+    return stub.GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+
+
+def reserve(stub, request_id="r1", ttl=0.0, max_tokens=4):
+    call = stub.Generate(pb.DecodeRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, lease_ttl_seconds=ttl,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)), timeout=30)
+    return call, next(call).lease
+
+
+def kv_pushes(lease_id: str, request_id: str = "r1", first_token: int = 3,
+              prompt=PROMPT) -> list[pb.KvPush]:
+    """A valid KV stream for PROMPT, computed by the model here, ending with its commit."""
+    layers = []
+    model().prefill_packed([prompt], lambda layer, k, v: layers.append((layer, k, v)))
+    pushes, crcs = [], []
+    for layer, k, v in layers:
+        for start, end, payload in kv_wire.encode_layer(k, v, tokens_per=32):
+            crcs.append(kv_wire.crc32(payload))
+            pushes.append(pb.KvPush(chunk=pb.KvChunk(
+                lease_id=lease_id, index=len(crcs) - 1, layer=layer, token_start=start,
+                token_end=end, dtype=pb.DTYPE_FLOAT32, shape=[2, end - start, 4, 64],
+                data=payload, crc32=crcs[-1])))
+    pushes.append(pb.KvPush(commit=pb.KvCommit(
+        lease_id=lease_id, first_token_id=first_token, num_chunks=len(crcs),
+        digest=kv_wire.digest(crcs), request_id=request_id,
+        prompt_digest=kv_wire.prompt_digest(PROMPT))))
+    return pushes
+
+
+def push(stub, pushes):
+    return stub.PushKv(iter(pushes), timeout=10)
+
+
+def push_error(stub, pushes) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        push(stub, pushes)
+    return err.value
+
+
+def test_unknown_lease_is_refused(decode):
+    err = push_error(decode, kv_pushes("no-such-lease"))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "unknown" in err.details()
+
+
+def test_expired_lease_is_refused_and_its_blocks_return(decode):
+    call, lease = reserve(decode, ttl=0.3)
+    assert _stats(decode).free_blocks < _stats(decode).total_blocks
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.ABORTED and "expired" in ended.value.details()
+    err = push_error(decode, kv_pushes(lease.lease_id))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_commit_is_idempotent_and_a_conflicting_one_is_refused(decode):
+    call, lease = reserve(decode, max_tokens=4)
+    pushes = kv_pushes(lease.lease_id)
+    assert push(decode, pushes).newly_committed
+    again = push(decode, [pushes[-1]])
+    assert not again.newly_committed and again.bytes == 2 * 6 * 4 * 64 * len(PROMPT) * 4
+    conflicting = pb.KvPush(commit=pb.KvCommit(
+        lease_id=lease.lease_id, first_token_id=4, num_chunks=pushes[-1].commit.num_chunks,
+        digest=pushes[-1].commit.digest, request_id="r1",
+        prompt_digest=pushes[-1].commit.prompt_digest))
+    err = push_error(decode, [conflicting])
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "other contents" in err.details()
+    events = list(call)
+    tokens = [t for e in events for t in (e.tokens.token_ids or e.finished.last.token_ids)]
+    assert tokens[0] == 3 and len(tokens) == 4  # the committed first token, then decode's
+    assert events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_finished_lease_cannot_be_replayed(decode):
+    call, lease = reserve(decode, max_tokens=2)
+    pushes = kv_pushes(lease.lease_id)
+    push(decode, pushes)
+    list(call)
+    wait_until(lambda: _stats(decode).free_blocks == _stats(decode).total_blocks, 10, "free")
+    err = push_error(decode, pushes)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_commit_for_another_request_is_refused(decode):
+    call, lease = reserve(decode, request_id="mine")
+    err = push_error(decode, kv_pushes(lease.lease_id, request_id="someone-else"))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "another request" in err.details()
+    with pytest.raises(grpc.RpcError) as ended:  # the lease is void: no tokens, ever
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.ABORTED
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda c: setattr(c, "index", 5), "expected chunk 0"),
+    (lambda c: setattr(c, "dtype", pb.DTYPE_FLOAT16), "dtype"),
+    (lambda c: c.shape.__setitem__(2, 8), "shape"),
+    (lambda c: setattr(c, "token_end", 999), "outside"),
+    (lambda c: setattr(c, "crc32", c.crc32 ^ 1), "CRC"),
+    (lambda c: setattr(c, "layer", 6), "layer"),
+])
+def test_a_bad_first_chunk_voids_the_lease(decode, damage, words):
+    call, lease = reserve(decode)
+    pushes = kv_pushes(lease.lease_id)
+    damage(pushes[0].chunk)
+    err = push_error(decode, pushes)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.details()
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert "rejected" in ended.value.details()
+
+
+def test_a_stream_that_ends_before_its_commit_voids_the_lease(decode):
+    call, lease = reserve(decode)
+    err = push_error(decode, kv_pushes(lease.lease_id)[:3])
+    assert "without a commit" in err.details()
+    with pytest.raises(grpc.RpcError):
+        list(call)
+
+
+def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
+    def big():
+        call = decode.Generate(pb.DecodeRequest(
+            request_id="big", prompt_token_ids=[1] * 4000,
+            sampling=pb.SamplingParams(max_tokens=96)), timeout=30)
+        return call, next(call)
+
+    fits = _stats(decode).total_blocks // (4096 // 16)
+    held = [big() for _ in range(fits)]
+    assert all(event.lease.blocks == 4096 // 16 for _, event in held)
+    with pytest.raises(grpc.RpcError) as err:
+        big()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pool full" in err.value.details()
+    for call, _ in held:
+        call.cancel()
