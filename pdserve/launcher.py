@@ -6,12 +6,12 @@ grace period is killed.
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from pdserve.client import check_health
+from pdserve.localstack import free_port
 
 READY_TIMEOUT_SECONDS = 120.0
 
@@ -29,12 +29,6 @@ def add_up(sub) -> None:
                    "reply, then stop everything")
     p.add_argument("--demo-tokens", type=int, default=48)
     p.set_defaults(func=run_up)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_blocks: int,

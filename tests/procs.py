@@ -1,92 +1,14 @@
-"""Starting and stopping real pdserve processes on free loopback ports, for tests."""
+"""Test helpers over pdserve.localstack: a stack of services and request shortcuts."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.client import check_health
+from pdserve.localstack import (Service, free_port, start_router, start_service,  # noqa: F401
+                                wait_until)
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-
-START_TIMEOUT_SECONDS = 60.0
-STOP_TIMEOUT_SECONDS = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Service:
-    role: str
-    port: int
-    proc: subprocess.Popen
-    log_path: str
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-4000:]
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(STOP_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None,
-                  faults: str = "") -> Service:
-    """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING.
-
-    `faults` sets PDSERVE_FAULTS for this process only (see pdserve/faults.py).
-    """
-    port = port or free_port()
-    log_path = os.path.join(tmp_dir, f"{role}-{port}.log")
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", role, "--host", "127.0.0.1",
-           "--port", str(port), *flags]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_FAULTS=faults)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    service = Service(role, port, proc, log_path)
-    wait_until(lambda: proc.poll() is not None or check_health(service.address, 1.0),
-               START_TIMEOUT_SECONDS, f"{role} to serve")
-    if proc.poll() is not None:
-        raise RuntimeError(f"{role} exited during start-up:\n{service.log()}")
-    return service
-
-
-def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
-    """Polls `condition` until it is truthy; fails the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def start_router(prefills: list[Service], decodes: list[Service], *flags: str, tmp_dir: str,
-                 port: int | None = None) -> Service:
-    return start_service("router", "--prefill", *[p.address for p in prefills], "--decode",
-                         *[d.address for d in decodes], *flags, tmp_dir=tmp_dir, port=port)
 
 
 @dataclass
