@@ -1,0 +1,40 @@
+"""The interconnect benchmark, reduced: at 100 Mbit/s a >= 1 MiB handoff takes bytes / rate.
+
+It creates its own network namespaces (see bench/interconnect.py); where this machine cannot create
+them (no root, no iproute2), the test is skipped with that reason, since there is no link to shape.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def can_make_namespaces() -> bool:
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    name = f"pdprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+@pytest.mark.skipif(not can_make_namespaces(),
+                    reason="network namespaces cannot be created here (needs root and iproute2)")
+def test_handoff_at_100mbit_matches_bytes_over_rate(tmp_path):
+    out = tmp_path / "interconnect.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "interconnect.py"),
+                    "--rates", "100mbit", "--lengths", "256", "--reps", "2", "--json", str(out)],
+                   check=True, timeout=300, cwd=ROOT)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["handoff_bytes"] >= 1 << 20
+        predicted = row["handoff_bytes"] * 8 / 100e6
+        assert abs(row["handoff_s"] - predicted) / predicted < 0.25, row
+        assert row["ttft_s"] >= predicted  # the slow link, not the prefill, sets the TTFT
