@@ -3,4 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# The Prometheus scrape test needs a real Prometheus server: Debian's package.
+if ! command -v prometheus >/dev/null; then
+  echo "installing Debian's prometheus package for the scrape test"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q prometheus >/dev/null 2>&1 || \
+    { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,10 +1,15 @@
 """Every service exposes Prometheus metrics; the handoff is measured on both sides."""
 
+import json
+import shutil
+import subprocess
+import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from procs import free_port, generate, greedy_request, start_stack
+from procs import free_port, generate, greedy_request, start_stack, wait_until
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -41,3 +46,63 @@ def test_handoff_latency_and_counts_on_every_service(metered_stack):
     assert decode['pdserve_kv_blocks_used{service="decode"}'] == 0
     assert decode['pdserve_decode_batch_size_count{service="decode"}'] >= 3
     assert prefill['pdserve_prefill_batch_size_count{service="prefill"}'] >= 1
+
+
+PROMETHEUS_CONFIG = """
+global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: pdserve
+    static_configs:
+      - targets: [{targets}]
+"""
+
+
+@pytest.fixture
+def prometheus(metered_stack, tmp_path):
+    """A real Prometheus server (Debian's package) scraping the stack's three metrics ports."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed: scripts/test.sh installs Debian's package"
+    _, ports = metered_stack
+    config = tmp_path / "prometheus.yml"
+    config.write_text(PROMETHEUS_CONFIG.format(
+        targets=", ".join(f"'127.0.0.1:{p}'" for p in ports.values())))
+    port = free_port()
+    with open(tmp_path / "prometheus.log", "w") as log:
+        proc = subprocess.Popen([binary, f"--config.file={config}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def promql(base: str, query: str) -> list:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    try:
+        body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+    except OSError:
+        return []  # not up yet
+    return body["data"]["result"] if body.get("status") == "success" else []
+
+
+def test_prometheus_scrapes_handoff_latency_under_load(metered_stack, prometheus):
+    stack, _ = metered_stack
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: generate(stack.router_stub(), greedy_request([i] * 200, 4)),
+                      range(16)))
+    query = ('histogram_quantile(0.9, sum by (le) '
+             '(pdserve_handoff_seconds_bucket{service="prefill"}))')
+    result = wait_until(lambda: [r for r in promql(prometheus, query)
+                                 if r["value"][1] not in ("NaN", "0")], 60,
+                        "Prometheus to answer the handoff latency quantile")
+    p90 = float(result[0]["value"][1])
+    assert 1e-4 <= p90 <= 60
+    wait_until(lambda: any(float(r["value"][1]) >= 16 for r in promql(
+        prometheus, 'pdserve_handoff_seconds_count{service="decode"}')), 30,
+        "Prometheus to have scraped decode's handoff count")
