@@ -105,7 +105,9 @@ def probe(address: str, lengths: list[int], reps: int) -> list[dict]:
                 if rep:
                     m = last.metrics
                     rows.append({"prompt_tokens": n, "handoff_bytes": m.handoff_bytes,
-                                 "handoff_s": m.handoff_seconds, "ttft_s": m.time_to_first_token_seconds,
+                                 "handoff_s": m.handoff_seconds,
+                                 "exposed_s": m.handoff_exposed_seconds,
+                                 "ttft_s": m.time_to_first_token_seconds,
                                  "prefill_s": m.prefill_seconds})
     return rows
 
@@ -174,13 +176,14 @@ def _version(package: str) -> str:
 
 def summarize(rows: list[dict]) -> str:
     lines = [f"{'link':>9} {'tokens':>6} {'KV MiB':>7} {'predicted':>10} {'measured':>10} "
-             f"{'ratio':>6} {'prefill':>8} {'TTFT':>8}"]
+             f"{'ratio':>6} {'prefill':>8} {'exposed':>8} {'TTFT':>8}"]
     for r in rows:
         pred = f"{r['predicted_s'] * 1e3:8.1f}ms" if r["predicted_s"] else f"{'-':>10}"
         ratio = f"{r['handoff_s'] / r['predicted_s']:6.2f}" if r["predicted_s"] else f"{'-':>6}"
         lines.append(f"{r['link']:>9} {r['prompt_tokens']:>6} {r['handoff_bytes'] / 2**20:7.2f} "
                      f"{pred} {r['handoff_s'] * 1e3:8.1f}ms {ratio} "
-                     f"{r['prefill_s'] * 1e3:6.1f}ms {r['ttft_s'] * 1e3:6.1f}ms")
+                     f"{r['prefill_s'] * 1e3:6.1f}ms {r['exposed_s'] * 1e3:6.1f}ms "
+                     f"{r['ttft_s'] * 1e3:6.1f}ms")
     return "\n".join(lines)
 
 

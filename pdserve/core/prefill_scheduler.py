@@ -23,6 +23,7 @@ class PrefillTiming:
     prefill_seconds: float
     batch_size: int
     batch_tokens: int
+    finished_at: float  # time.perf_counter() when the batch's compute ended
 
 
 @dataclass
@@ -76,11 +77,12 @@ class PrefillScheduler:
             for job in batch:
                 job.on_error(f"prefill failed: {exc}")
             return None
-        elapsed = time.perf_counter() - start
+        finished = time.perf_counter()
         tokens = sum(j.spec.prompt_len for j in batch)
         for job, token in zip(batch, first, strict=True):
-            job.on_done(token, PrefillTiming(start - job.enqueued_at, elapsed, len(batch), tokens))
-        return PrefillTiming(0.0, elapsed, len(batch), tokens)
+            job.on_done(token, PrefillTiming(start - job.enqueued_at, finished - start,
+                                             len(batch), tokens, finished))
+        return PrefillTiming(0.0, finished - start, len(batch), tokens, finished)
 
     def schedule(self) -> list[PrefillJob]:
         """FIFO jobs within the batch size and token budget; always at least one if any wait."""

@@ -83,14 +83,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def _reply(self, request_id: str, first_token: int, timing: PrefillTiming, sender: KvSender,
                reply: pb.PushKvReply) -> pb.PrefillReply:
-        handoff = time.perf_counter() - sender.first_sent_at if sender.first_sent_at else 0.0
+        now = time.perf_counter()
+        handoff = now - sender.first_sent_at if sender.first_sent_at else 0.0
         metrics.record_handoff("prefill", handoff, reply.bytes)
         metrics.REQUESTS.labels("prefill", "ok", "OK").inc()
         return pb.PrefillReply(
             request_id=request_id, first_token_id=first_token, handoff_bytes=reply.bytes,
             handoff_seconds=handoff, prefill_seconds=timing.prefill_seconds,
             queue_seconds=timing.queue_seconds, num_chunks=sender.num_chunks,
-            instance=self.instance)
+            instance=self.instance, handoff_exposed_seconds=now - timing.finished_at)
 
     def _stub(self, address: str) -> pb_grpc.DecodeStub:
         if address not in self._decode_stubs:

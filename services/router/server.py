@@ -232,7 +232,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 end_to_end_seconds=now - received, handoff_bytes=reply.handoff_bytes,
                 handoff_seconds=reply.handoff_seconds, prefill_seconds=reply.prefill_seconds,
                 queue_seconds=reply.queue_seconds, prefill_instance=reply.instance,
-                decode_instance=reservation.lease.instance, attempts=attempt))
+                decode_instance=reservation.lease.instance, attempts=attempt,
+                handoff_exposed_seconds=reply.handoff_exposed_seconds))
 
     async def refresh_forever(self, server: Server) -> None:
         """Keeps the instance lists and the router's own health status current."""
