@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from typing import Awaitable, Callable
@@ -75,6 +76,18 @@ class Server:
         result = self.health.set("", status)
         if asyncio.iscoroutine(result):
             await result
+
+
+def admitted(handler):
+    """A server-streaming handler of a servicer with an `admission`: refused while draining,
+    counted as in flight while it runs."""
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        await self.admission.refuse_if_draining(context)
+        with self.admission.track():
+            async for message in handler(self, request, context):
+                yield message
+    return wrapper
 
 
 async def run_until_signalled(server: Server, name: str, grace: float, admission: Admission,

@@ -13,7 +13,7 @@ from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, run_until_signalled
+from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -32,13 +32,8 @@ class ColocatedServicer(pb_grpc.RouterServicer):
         self.engine = ColocatedEngine(config, settings)
         self.admission = Admission()
 
+    @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
-        await self.admission.refuse_if_draining(context)
-        with self.admission.track():
-            async for response in self._generate(request, context):
-                yield response
-
-    async def _generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
         try:
             spec = validate(convert.spec_from_generate(request), self.config)

@@ -16,7 +16,7 @@ from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_d
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, run_until_signalled
+from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -38,13 +38,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.admission = Admission()
         self.chunks_received = 0
 
+    @admitted
     async def Generate(self, request: pb.DecodeRequest, context):
-        await self.admission.refuse_if_draining(context)
-        with self.admission.track():
-            async for event in self._generate(request, context):
-                yield event
-
-    async def _generate(self, request: pb.DecodeRequest, context):
         try:
             spec = validate(convert.spec_from_internal(
                 request.request_id, request.prompt_token_ids, request.sampling), self.config)

@@ -20,7 +20,7 @@ from pdserve import metrics
 from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, run_until_signalled
+from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -67,22 +67,21 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.admission = Admission()
         self.waiting = 0
 
+    @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
-        await self.admission.refuse_if_draining(context)
         received = time.perf_counter()
         try:
             spec = validate(convert.spec_from_generate(request), self.config)
         except InvalidRequest as exc:
             metrics.record_request("router", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        with self.admission.track():
-            try:
-                async for response in self._with_retries(spec, context, received):
-                    yield response
-            except RouterError as exc:
-                log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
-                metrics.record_request("router", exc.code.name)
-                await context.abort(exc.code, str(exc))
+        try:
+            async for response in self._with_retries(spec, context, received):
+                yield response
+        except RouterError as exc:
+            log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
+            metrics.record_request("router", exc.code.name)
+            await context.abort(exc.code, str(exc))
 
     async def _with_retries(self, spec: GenerateSpec, context, received: float):
         avoid: set[str] = set()
