@@ -42,7 +42,7 @@ def run_generate(args) -> int:
         stub = pb_grpc.RouterStub(channel)
         try:
             for response in stub.Generate(request_from_args(args), timeout=args.timeout):
-                sys.stdout.write(response.text)
+                sys.stdout.write(printable(response.text))
                 sys.stdout.flush()
                 if response.finish_reason:
                     _print_summary(response)
@@ -50,6 +50,12 @@ def run_generate(args) -> int:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def printable(text: str) -> str:
+    """The text with control characters shown as escapes, so a random model's bytes cannot
+    drive the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)
 
 
 def _print_summary(last: pb.GenerateResponse) -> None:
