@@ -192,15 +192,18 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in dict.fromkeys(r["link"] for r in rows):
+    for color, name in zip(("C0", "C1", "C2", "C3"), dict.fromkeys(r["link"] for r in rows)):
         sel = [r for r in rows if r["link"] == name]
         mib = [r["handoff_bytes"] / 2**20 for r in sel]
-        left.plot(mib, [r["handoff_s"] * 1e3 for r in sel], "o", label=f"{name} measured")
+        left.plot(mib, [r["handoff_s"] * 1e3 for r in sel], "o", color=color,
+                  label=f"{name}: first chunk to commit")
+        left.plot(mib, [r["exposed_s"] * 1e3 for r in sel], "x", color=color,
+                  label=f"{name}: exposed (after compute)")
         if sel[0]["predicted_s"]:
-            left.plot(mib, [r["predicted_s"] * 1e3 for r in sel], "-", alpha=0.5,
-                      label=f"{name} bytes / rate")
+            left.plot(mib, [r["predicted_s"] * 1e3 for r in sel], "-", color=color, alpha=0.5,
+                      label=f"{name}: bytes / rate")
         right.plot([r["prefill_s"] * 1e3 for r in sel], [r["ttft_s"] * 1e3 for r in sel], "o",
-                   label=name)
+                   color=color, label=name)
     left.set(xscale="log", yscale="log", xlabel="KV cache per request (MiB)",
              ylabel="handoff latency (ms)", title="Handoff: measured vs bytes / link rate")
     right.set(xscale="log", yscale="log", xlabel="prefill compute (ms)",
@@ -221,7 +224,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write rows and conditions here")
     p.add_argument("--plot", help="write a PNG chart here")
     p.add_argument("--probe", metavar="ROUTER", help=argparse.SUPPRESS)
+    p.add_argument("--replot", metavar="JSON", help="only redraw --plot from a saved --json")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["rows"], args.plot)
+        return 0
     if args.probe:
         print(json.dumps(probe(args.probe, args.lengths, args.reps)))
         return 0

@@ -128,6 +128,10 @@ class PagedKv:
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
     """q [tq, heads, dim] at positions offset.., k/v [tk, heads, dim] from 0; -> [tq, heads, dim]."""
     tq, tk = q.shape[0], k.shape[0]
+    if offset == 0 and tq == tk:  # a whole prompt: the fused causal kernel, no T x T mask
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return out.transpose(0, 1)
     allowed = torch.arange(tk)[None, :] <= torch.arange(offset, offset + tq)[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed)
