@@ -19,7 +19,7 @@ READY_TIMEOUT_SECONDS = 120.0
 def add_up(sub) -> None:
     p = sub.add_parser("up", help="run prefill, decode and router as local processes",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--port", type=int, default=50051, help="router port, 0 picks a free one")
     p.add_argument("--prefill-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--decode-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--num-blocks", type=int, default=2048, help="decode KV blocks")
@@ -47,6 +47,7 @@ def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_bl
 
 
 def run_up(args) -> int:
+    args.port = args.port or free_port()
     commands = stack_commands(args.port, args.prefill_port or free_port(),
                               args.decode_port or free_port(), args.num_blocks, args.torch_threads)
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}

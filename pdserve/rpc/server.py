@@ -5,6 +5,7 @@ import contextlib
 import functools
 import logging
 import signal
+import socket
 from typing import Awaitable, Callable
 
 import grpc
@@ -57,6 +58,14 @@ class Admission:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def instance_name(role: str, host: str, port: int) -> str:
+    """role@host:port, naming the machine (a container's hostname) when bound to every address,
+    so that replicas behind one service name tell themselves apart."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{role}@{host}:{port}"
 
 
 class Server:

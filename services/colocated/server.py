@@ -13,7 +13,7 @@ from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
+from pdserve.rpc.server import Admission, Server, admitted, instance_name, run_until_signalled
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -95,7 +95,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
 
 async def serve(config: ModelConfig, settings: ColocatedSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    instance = settings.common.instance or f"colocated@{settings.common.host}:{server.port}"
+    instance = settings.common.instance or instance_name("colocated", settings.common.host, server.port)
     servicer = ColocatedServicer(config, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.watch_pool("colocated", lambda: servicer.engine.pool.available_blocks,

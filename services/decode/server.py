@@ -16,7 +16,7 @@ from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_d
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
+from pdserve.rpc.server import Admission, Server, admitted, instance_name, run_until_signalled
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -182,7 +182,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
 async def serve(config: ModelConfig, settings: DecodeSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    instance = settings.common.instance or f"decode@{settings.common.host}:{server.port}"
+    instance = settings.common.instance or instance_name("decode", settings.common.host, server.port)
     servicer = DecodeServicer(config, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.watch_pool("decode", lambda: servicer.engine.pool.available_blocks,

@@ -14,7 +14,8 @@ from pdserve.core.model import TinyGPT
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.rpc import convert
-from pdserve.rpc.server import CHANNEL_OPTIONS, Admission, Server, run_until_signalled
+from pdserve.rpc.server import (CHANNEL_OPTIONS, Admission, Server, instance_name,
+                                run_until_signalled)
 from pdserve.settings import PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -128,7 +129,7 @@ def _push_status(code: grpc.StatusCode) -> grpc.StatusCode:
 
 async def serve(config: ModelConfig, settings: PrefillSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    instance = settings.common.instance or f"prefill@{settings.common.host}:{server.port}"
+    instance = settings.common.instance or instance_name("prefill", settings.common.host, server.port)
     servicer = PrefillServicer(config, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
