@@ -4,6 +4,7 @@
   pdserve up                                      prefill, decode and router as local processes
   pdserve generate "text"                         stream one reply to the terminal
   pdserve health ADDRESS                          exit 0 when a service reports SERVING
+  pdserve bench --preset chapter                  load test: latency percentiles, goodput, handoff
   pdserve handoff-table                           what one request's KV cache costs to move
 """
 
@@ -152,12 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    from pdserve.bench.cli import add_bench
     from pdserve.client import add_generate, add_health
     from pdserve.launcher import add_up
     from pdserve.tools import handoff_table
     add_up(sub)
     add_generate(sub)
     add_health(sub)
+    add_bench(sub)
     table = sub.add_parser("handoff-table", help="what one request's KV cache costs to move")
     handoff_table.add_arguments(table)
     table.set_defaults(func=handoff_table.run)

@@ -96,6 +96,7 @@ def test_bench_against_stack(stack, tmp_path, capsys):
         assert srv["prompt_tokens"] == r["prompt_tokens"]
         assert srv["handoff_bytes"] == r["prompt_tokens"] * kv_per_token
         assert srv["handoff_seconds"] > 0
+        assert 0 <= srv["handoff_exposed_seconds"] <= srv["handoff_seconds"] + 1e-3
         # The server's TTFT starts later (on receipt) than the client's (on send).
         assert srv["time_to_first_token_seconds"] <= r["ttft"] + 1e-3
     assert s["output_tokens"] == sum(r["max_tokens"] for r in requests)

@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import sys
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -106,3 +107,50 @@ def test_prometheus_scrapes_handoff_latency_under_load(metered_stack, prometheus
     wait_until(lambda: any(float(r["value"][1]) >= 16 for r in promql(
         prometheus, 'pdserve_handoff_seconds_count{service="decode"}')), 30,
         "Prometheus to have scraped decode's handoff count")
+
+
+def histogram(samples: dict[str, float], name: str, service: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of a histogram's buckets, in order."""
+    prefix = f"{name}_bucket{{le=\""
+    rows = [(float(key[len(prefix):].split('"')[0]), value) for key, value in samples.items()
+            if key.startswith(prefix) and f'service="{service}"' in key]
+    return sorted(rows)
+
+
+def bucket_of(buckets: list[tuple[float, float]], rank: int) -> tuple[float, float]:
+    """(lower, upper] bounds of the bucket holding the rank-th smallest observation (1-based)."""
+    lower = 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            return lower, upper
+        lower = upper
+    raise AssertionError(f"rank {rank} beyond the histogram")
+
+
+def test_bench_summary_agrees_with_the_servers_metrics(metered_stack, tmp_path):
+    stack, ports = metered_stack
+    before = scrape(ports["router"])
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--address",
+                    stack.router.address, "--num-requests", "100", "--rate", "25",
+                    "--prompt-len", "16-128", "--output-len", "4-12", "--seed", "3",
+                    "--no-progress", "--json", str(out)], check=True, timeout=300,
+                   capture_output=True)
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    after = scrape(ports["router"])
+    ok_key = 'pdserve_requests_total{code="OK",outcome="ok",service="router"}'
+    assert summary["requests"] == 100
+    assert summary["ok"] == after[ok_key] - before.get(ok_key, 0) == 100
+    tokens_key = 'pdserve_tokens_total{kind="generated",service="router"}'
+    assert summary["output_tokens"] == after[tokens_key] - before.get(tokens_key, 0)
+    # Only this run's observations: subtract the buckets as they were before it.
+    old = dict(histogram(before, "pdserve_time_to_first_token_seconds", "router"))
+    buckets = [(upper, count - old.get(upper, 0)) for upper, count in
+               histogram(after, "pdserve_time_to_first_token_seconds", "router")]
+    n = summary["ttft_seconds"]["count"]
+    for q in (50, 90, 99):
+        position = q / 100 * (n - 1)  # linear interpolation between these two ranks
+        low = bucket_of(buckets, int(position) + 1)[0]
+        high = bucket_of(buckets, min(int(position) + 2, n))[1]
+        assert low <= summary["server_ttft_seconds"][f"p{q}"] <= high
+        assert summary["ttft_seconds"][f"p{q}"] >= low  # the client sees the token later

@@ -210,8 +210,8 @@ def build(args: argparse.Namespace):
 def run_bench(args: argparse.Namespace) -> int:
     from pdserve.bench import report
     if args.from_json:
-        docs = [(report.load_json(p)["conditions"]["target"].get("label") or Path(p).stem,
-                 report.load_json(p)) for p in args.from_json]
+        loaded = [(Path(p), report.load_json(p)) for p in args.from_json]
+        docs = [(doc["conditions"]["target"].get("label") or p.stem, doc) for p, doc in loaded]
         for _, doc in docs:
             print(report.report_text(doc))
         if args.plot:

@@ -65,8 +65,13 @@ def cpu_conditions(cpuinfo: str = "/proc/cpuinfo") -> dict:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
     return {"model": model or platform.processor() or None, "logical_cpus": os.cpu_count(),
-            "usable_cpus": usable, "machine": platform.machine()}
+            "usable_cpus": usable, "machine": platform.machine(),
+            "load_average_at_start": load}
 
 
 def _version(package: str) -> str | None:
@@ -121,6 +126,7 @@ def document(conds: dict, runs: list[RunResult], slo_ttft: float | None,
             .isoformat(timespec="milliseconds"),
             "summary": summarize(run.results, run.duration, slo_ttft, slo_tpot),
             "requests": [r.to_dict() for r in run.results],
+            "load_average_1m": {"before": run.load_before, "after": run.load_after},
             "notes": run.notes,
         } for run in runs],
     })
@@ -172,9 +178,11 @@ def conditions_line(conds: dict) -> str:
                else w["arrival"])
     prompts = f"dataset {Path(w['dataset']).name}" if w.get("dataset") else f"prompt {w['prompt_len']}"
     cpus = cpu.get("usable_cpus") or cpu.get("logical_cpus")
+    rates = ", ".join("inf" if r is None else f"{r:g}" for r in conds["rates"])
+    rates = f"arrival rate{'s' if len(conds['rates']) > 1 else ''} {rates}/s"
     return (f"Conditions: {m['name']} ({m['parameters']:,} params), {cpus}x {cpu['model']}, "
             f"torch {conds['software']['torch']}, {arrival}, {prompts}, output {w['output_len']}, "
-            f"seed {conds['seed']}, measured {conds['date']}")
+            f"seed {conds['seed']}, {rates}, measured {conds['date']}")
 
 
 def summary_text(conds: dict, run: dict) -> str:
@@ -204,11 +212,16 @@ def summary_text(conds: dict, run: dict) -> str:
     lines.append(f"  goodput       {_num(s['goodput'])} req/s: {s['requests_meeting_slo']} of "
                  f"{s['requests']} requests met " + (" and ".join(slo) or "no objective"))
     hb, hs, bw = s["handoff_bytes"], s["handoff_seconds"], s["handoff_bytes_per_second"]
+    hx = s.get("handoff_exposed_seconds") or {"p50": None, "p90": None, "p99": None}
     if hb["count"] and hb["max"]:
         lines.append(f"  handoff       {hb['mean'] / 1024:.1f} KiB/request mean "
-                     f"({hb['p50'] / 1024:.1f} p50, {hb['max'] / 1024:.1f} max); latency ms "
-                     f"p50 {_ms(hs['p50'])}, p90 {_ms(hs['p90'])}, p99 {_ms(hs['p99'])}; "
-                     f"{(bw['p50'] or 0) / 1e6:.1f} MB/s p50")
+                     f"({hb['p50'] / 1024:.1f} p50, {hb['max'] / 1024:.1f} max); "
+                     f"{(bw['p50'] or 0) / 1e6:.1f} MB/s p50 (bytes / latency)")
+        lines.append(f"    latency ms  first chunk -> commit p50 {_ms(hs['p50'])}, "
+                     f"p90 {_ms(hs['p90'])}, p99 {_ms(hs['p99'])}; exposed (after prefill "
+                     f"compute) p50 {_ms(hx['p50'])}, p90 {_ms(hx['p90'])}, p99 {_ms(hx['p99'])}")
+        if s.get("retried"):
+            lines.append(f"    {s['retried']} requests needed more than one handoff attempt")
     else:
         lines.append("  handoff       none reported (a colocated engine moves no KV)")
     for note in run.get("notes", []):
@@ -268,7 +281,11 @@ def plot(docs: list[tuple[str, dict]], path: str | Path) -> Path:
 
 def _caption(docs: list[tuple[str, dict]]) -> str:
     import textwrap
-    return textwrap.fill(conditions_line(docs[0][1]["conditions"]), 150)
+    line = conditions_line(docs[0][1]["conditions"])
+    if len(docs) > 1:  # each run's own date
+        line = line.rsplit(", measured ", 1)[0] + ", measured " + "; ".join(
+            f"{name} {doc['conditions']['date']}" for name, doc in docs)
+    return textwrap.fill(line, 150)
 
 
 def plot_sweep(docs: list[tuple[str, dict]], path: str | Path) -> Path:
@@ -330,6 +347,8 @@ def plot_cdfs(docs: list[tuple[str, dict]], path: str | Path) -> Path:
             ax.set_title(f"{title} CDF")
             ax.set_xlabel("ms")
             ax.set_ylabel("fraction of " + ("tokens" if key == "itl_seconds" else "requests"))
+            if key == "itl_seconds" and xs[-1] > 20 * max(xs[len(xs) // 2], 1e-3):
+                ax.set_xscale("log")  # a long tail would squash the body of the curve
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.set_ylim(0, 1.02)

@@ -14,6 +14,7 @@ finished. With a concurrency cap a request waits for a free slot; the wait shows
 
 import asyncio
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,10 @@ class RunResult:
     started_at_unix: float
     warmup: int = 0
     notes: list[str] = field(default_factory=list)
+    # 1-minute load average of the client's host before and after: other work on the machine
+    # shows up here (None where the platform has no load average).
+    load_before: float | None = None
+    load_after: float | None = None
 
 
 class Progress:
@@ -150,6 +155,7 @@ def _server_view(last: pb.GenerateResponse) -> dict:
         "end_to_end_seconds": m.end_to_end_seconds,
         "handoff_bytes": m.handoff_bytes,
         "handoff_seconds": m.handoff_seconds,
+        "handoff_exposed_seconds": m.handoff_exposed_seconds,
         "prefill_seconds": m.prefill_seconds,
         "queue_seconds": m.queue_seconds,
         "prefill_instance": m.prefill_instance,
@@ -229,6 +235,7 @@ async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
         progress = Progress(label or f"rate {spec.rate:g}", options.num_requests,
                             options.duration, progress_stream, show_progress)
         slots = asyncio.Semaphore(options.concurrency) if options.concurrency else None
+        load_before = _load()
         started_unix = time.time()
         t0 = time.perf_counter()
 
@@ -267,7 +274,15 @@ async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
         finally:
             progress.close()
         duration = time.perf_counter() - t0
-    return RunResult(spec, results, duration, started_unix, options.warmup, notes)
+    return RunResult(spec, results, duration, started_unix, options.warmup, notes, load_before,
+                     _load())
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _take(spec: WorkloadSpec, count: int | None, duration: float | None):

@@ -141,5 +141,8 @@ def summarize(results: Sequence[RequestResult], duration: float, slo_ttft: float
         "handoff_bytes": describe(r.server.get("handoff_bytes") for r in ok),
         "handoff_seconds": describe(r.server.get("handoff_seconds") for r in ok
                                     if r.server.get("handoff_bytes")),
+        "handoff_exposed_seconds": describe(r.server.get("handoff_exposed_seconds") for r in ok
+                                            if r.server.get("handoff_bytes")),
         "handoff_bytes_per_second": describe(handoff_bw),
+        "retried": sum(r.server.get("attempts", 1) > 1 for r in ok),
     }
