@@ -84,6 +84,10 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-attempts", type=int, default=env("MAX_ATTEMPTS", 3),
                    help="handoff attempts per request; a request is retried on another instance "
                    "only while no token has reached the client (PDSERVE_MAX_ATTEMPTS)")
+    g.add_argument("--request-timeout-seconds", type=float,
+                   default=env("REQUEST_TIMEOUT_SECONDS", 600.0),
+                   help="deadline of a request whose client set none; a client's own deadline "
+                   "is kept when shorter (PDSERVE_REQUEST_TIMEOUT_SECONDS; default %(default)s)")
 
 
 def _common(a) -> cfg.CommonSettings:
@@ -110,7 +114,8 @@ def _serve(args) -> int:
         from services.router.server import serve
         asyncio.run(serve(config, cfg.RouterSettings(_common(args), args.prefill, args.decode,
                                                      args.max_queue, args.queue_timeout_seconds,
-                                                     args.max_attempts)))
+                                                     args.max_attempts,
+                                                     args.request_timeout_seconds)))
         return 0
     import torch
     if args.torch_threads:

@@ -68,12 +68,14 @@ class RouterSettings:
     max_queue: int = 256
     queue_timeout_seconds: float = 30.0
     max_attempts: int = 3  # handoff attempts per request before UNAVAILABLE
+    request_timeout_seconds: float = 600.0  # deadline for a request whose client set none
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one prefill and one decode address")
         _positive(max_queue=self.max_queue, queue_timeout_seconds=self.queue_timeout_seconds,
-                  max_attempts=self.max_attempts)
+                  max_attempts=self.max_attempts,
+                  request_timeout_seconds=self.request_timeout_seconds)
 
 
 @dataclass(frozen=True)

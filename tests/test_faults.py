@@ -222,3 +222,14 @@ def _refused(stack: Stack):
     except grpc.RpcError as exc:
         return exc if exc.code() == grpc.StatusCode.UNAVAILABLE else None
     return None
+
+
+def test_router_bounds_a_request_whose_client_set_no_deadline(services):
+    decode = services("decode")
+    prefill = services("prefill")
+    stack = Stack(services.router([prefill], [decode], "--request-timeout-seconds", "1"),
+                  [prefill], [decode])
+    call = stack.router_stub().Generate(greedy_request([3] * 20, 3500))  # no client deadline
+    err = rpc_error(lambda: list(call))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    settled(stack)

@@ -53,6 +53,19 @@ class HandoffFailed(RouterError):
 
 
 @dataclass
+class Inflight:
+    """One request as the router carries it: what was asked, when, and until when."""
+
+    spec: GenerateSpec
+    received: float  # time.perf_counter()
+    deadline: float  # time.monotonic(): the client's, capped by --request-timeout-seconds
+
+    def remaining(self) -> float:
+        """The timeout for an outbound call: every call ends by the request's deadline."""
+        return max(self.deadline - time.monotonic(), 0.001)
+
+
+@dataclass
 class Reservation:
     call: grpc.aio.UnaryStreamCall
     lease: pb.LeaseGranted
@@ -75,20 +88,24 @@ class RouterServicer(pb_grpc.RouterServicer):
         except InvalidRequest as exc:
             metrics.record_request("router", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        budget = min(context.time_remaining() or float("inf"),
+                     self.settings.request_timeout_seconds)
+        inflight = Inflight(spec, received, time.monotonic() + budget)
         try:
-            async for response in self._with_retries(spec, context, received):
+            async for response in self._with_retries(inflight):
                 yield response
         except RouterError as exc:
             log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
             metrics.record_request("router", exc.code.name)
             await context.abort(exc.code, str(exc))
 
-    async def _with_retries(self, spec: GenerateSpec, context, received: float):
+    async def _with_retries(self, inflight: Inflight):
+        spec = inflight.spec
         avoid: set[str] = set()
         sent = 0
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
-                async for response in self._attempt(spec, context, received, attempt, avoid):
+                async for response in self._attempt(inflight, attempt, avoid):
                     sent += 1
                     yield response
                 return
@@ -105,14 +122,14 @@ class RouterServicer(pb_grpc.RouterServicer):
                 avoid |= exc.instances
                 await asyncio.sleep(RETRY_BACKOFF_SECONDS * attempt)
 
-    async def _attempt(self, spec: GenerateSpec, context, received: float, attempt: int,
-                       avoid: set[str]):
-        reservation = await self._reserve(spec, context, avoid)
+    async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
+        spec = inflight.spec
+        reservation = await self._reserve(inflight, avoid)
         prefill = self._pick_prefill(avoid)
         prefill_call = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
-            decode_address=reservation.decode.address), timeout=context.time_remaining()))
+            decode_address=reservation.decode.address), timeout=inflight.remaining()))
         # A failed prefill ends the token stream too, so the relay below never waits forever.
         prefill_call.add_done_callback(lambda call: _failed(call) and reservation.call.cancel())
         try:
@@ -122,14 +139,15 @@ class RouterServicer(pb_grpc.RouterServicer):
                                               token_ids=event.token_ids, text=event.text)
                 else:
                     finished, reply, first_token_at = event
-                    yield self._final(spec, finished, reply, reservation, received,
+                    yield self._final(spec, finished, reply, reservation, inflight.received,
                                       first_token_at, attempt)
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
 
-    async def _reserve(self, spec: GenerateSpec, context, avoid: set[str]) -> Reservation:
+    async def _reserve(self, inflight: Inflight, avoid: set[str]) -> Reservation:
         """A lease from the first decode instance with room, waiting (bounded) while none has."""
+        spec = inflight.spec
         if self.waiting >= self.settings.max_queue:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"router queue is full ({self.settings.max_queue} waiting)")
@@ -139,9 +157,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             while True:
                 for decode in self.decodes.ordered(avoid):
-                    reservation = await self._try_reserve(decode, spec, context)
+                    reservation = await self._try_reserve(decode, inflight)
                     if reservation is not None:
                         return reservation
+                if time.monotonic() + backoff > inflight.deadline:
+                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      "deadline passed while waiting for decode room")
                 if time.monotonic() + backoff > give_up:
                     raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"no decode instance had room for {spec.max_total_tokens} "
@@ -151,11 +172,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         finally:
             self.waiting -= 1
 
-    async def _try_reserve(self, decode: Instance, spec: GenerateSpec, context
-                           ) -> Reservation | None:
+    async def _try_reserve(self, decode: Instance, inflight: Inflight) -> Reservation | None:
+        spec = inflight.spec
         call = decode.stub.Generate(pb.DecodeRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
-            sampling=convert.sampling_to_pb(spec.sampling)), timeout=context.time_remaining())
+            sampling=convert.sampling_to_pb(spec.sampling)), timeout=inflight.remaining())
         try:
             event = await call.read()
         except grpc.aio.AioRpcError as exc:
