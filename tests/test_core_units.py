@@ -104,7 +104,7 @@ def test_kv_assembly_demands_order_and_completeness():
     assembly = kv_wire.KvAssembly(CONFIG, prompt_len=8)
     header = kv_wire.ChunkHeader(1, 0, 0, 8, "float32", (2, 8, 4, 64), 0)
     with pytest.raises(kv_wire.KvRejected, match="expected chunk 0"):
-        assembly.check(header, 0)
+        assembly.check(header)
     with pytest.raises(kv_wire.KvRejected, match="commit says"):
         assembly.check_commit(3, 0)
 

@@ -96,7 +96,7 @@ class KvAssembly:
         self._crcs: list[int] = []
         self.bytes = 0
 
-    def check(self, header: ChunkHeader, payload_len: int) -> None:
+    def check(self, header: ChunkHeader) -> None:
         if header.index != len(self._crcs):
             raise KvRejected(f"chunk {header.index} arrived, expected chunk {len(self._crcs)}")
         if 0 <= header.layer < self.config.n_layers:

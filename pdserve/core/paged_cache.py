@@ -20,10 +20,6 @@ class PagedCache:
         self.kv[layer, 0].index_copy_(0, index, k)
         self.kv[layer, 1].index_copy_(0, index, v)
 
-    def read(self, layer: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(slots, dtype=torch.long)
-        return self.kv[layer, 0].index_select(0, index), self.kv[layer, 1].index_select(0, index)
-
     def step_view(self, tables: list[BlockTable], lengths: list[int]) -> "DecodeStepKv":
         """The cache as one decode step sees it: each sequence's `lengths[i]` tokens, one new."""
         return DecodeStepKv(self, tables, lengths)

@@ -10,10 +10,6 @@ def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def decode(token_ids: list[int]) -> str:
-    return bytes(t for t in token_ids if t < BYTE_VOCAB).decode("utf-8", errors="replace")
-
-
 class IncrementalDecoder:
     """Turns tokens into text one at a time; bytes of an unfinished UTF-8 character wait."""
 

@@ -9,7 +9,7 @@ random, single-use and bound to one request: once void or ended it is never vali
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from pdserve.core.block_pool import BlockPool, BlockTable
@@ -43,7 +43,6 @@ class Lease:
     commit_key: tuple[int, int, int] | None = None
     first_chunk_at: float | None = None
     committed_at: float | None = None
-    granted_wall: float = field(default_factory=time.time)
 
     @property
     def handoff_seconds(self) -> float:

@@ -130,7 +130,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         header = ChunkHeader(chunk.index, chunk.layer, chunk.token_start, chunk.token_end,
                              DTYPE_FROM_PB.get(chunk.dtype, "unspecified"), tuple(chunk.shape),
                              chunk.crc32)
-        lease.assembly.check(header, len(payload))
+        lease.assembly.check(header)
         k, v = decode_chunk(header, payload, self.config, lease.spec.prompt_len)
         lease.table.ensure(header.token_end)
         self.engine.cache.write(header.layer, lease.table.slots(header.token_start,
