@@ -186,7 +186,7 @@ def test_router_killed_while_decode_holds_leases_blocks_return(services):
 def test_sigterm_drains_router_in_flight_finish_new_refused(services):
     decode = services("decode")
     prefill = services("prefill")
-    router = services.router([prefill], [decode])
+    router = services.router([prefill], [decode], "--grace-seconds", "60")
     stack = Stack(router, [prefill], [decode])
     calls = [stack.router_stub().Generate(greedy_request([i] * 50, 300), timeout=60)
              for i in range(6)]
@@ -199,12 +199,12 @@ def test_sigterm_drains_router_in_flight_finish_new_refused(services):
         rest = list(call)
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert sum(len(r.token_ids) for r in rest) + 1 == 300
-    assert router.proc.wait(20) == 0
+    assert router.proc.wait(60) == 0
     settled(stack)
 
 
 def test_sigterm_drains_decode(services):
-    decode = services("decode")
+    decode = services("decode", "--grace-seconds", "60")
     prefill = services("prefill")
     stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
     calls = [stack.router_stub().Generate(greedy_request([i] * 30, 200), timeout=60)
@@ -213,7 +213,7 @@ def test_sigterm_drains_decode(services):
     decode.proc.send_signal(signal.SIGTERM)
     for call in calls:
         assert list(call)[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert decode.proc.wait(20) == 0
+    assert decode.proc.wait(60) == 0
 
 
 def _refused(stack: Stack):
