@@ -6,9 +6,21 @@ they started (waiting, bounded, for cancellations to be processed).
 
 import pytest
 
+import reference
+
 from procs import Stack, start_service, start_stack, wait_until
 
 POOL_SETTLE_SECONDS = 15.0
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How often a served token was accepted only as a near-tie with the reference's best."""
+    totals = reference.TOTALS
+    if totals["tokens"]:
+        terminalreporter.write_line(
+            f"reference comparison: {totals['tokens']} served tokens checked, "
+            f"{totals['near_ties']} accepted as near-ties (top-two logits within "
+            f"{reference.TOLERANCE})")
 
 
 @pytest.fixture(scope="session")
