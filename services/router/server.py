@@ -78,7 +78,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.prefills = BackendSet("prefill", settings.prefill, pb_grpc.PrefillStub)
         self.decodes = BackendSet("decode", settings.decode, pb_grpc.DecodeStub)
         self.admission = Admission()
-        self.waiting = 0
+        self.queued = 0  # requests waiting in line for decode room
+        self._head_of_line = asyncio.Lock()  # FIFO: the waiting request allowed to poll
 
     @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -146,31 +147,57 @@ class RouterServicer(pb_grpc.RouterServicer):
             prefill_call.cancel()
 
     async def _reserve(self, inflight: Inflight, avoid: set[str]) -> Reservation:
-        """A lease from the first decode instance with room, waiting (bounded) while none has."""
-        spec = inflight.spec
-        if self.waiting >= self.settings.max_queue:
+        """A lease from the first decode instance with room. While none has room, requests wait
+        in line, first come first served, bounded in number and time; only the head of the
+        line polls decode, so a full pool is not hammered by every waiting request."""
+        if self.queued == 0:
+            reservation = await self._try_all(inflight, avoid)
+            if reservation is not None:
+                return reservation
+        if self.queued >= self.settings.max_queue:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"router queue is full ({self.settings.max_queue} waiting)")
-        give_up = time.monotonic() + self.settings.queue_timeout_seconds
-        backoff = FIRST_BACKOFF_SECONDS
-        self.waiting += 1
+        give_up = min(time.monotonic() + self.settings.queue_timeout_seconds, inflight.deadline)
+        self.queued += 1
         try:
-            while True:
-                for decode in self.decodes.ordered(avoid):
-                    reservation = await self._try_reserve(decode, inflight)
-                    if reservation is not None:
-                        return reservation
-                if time.monotonic() + backoff > inflight.deadline:
-                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      "deadline passed while waiting for decode room")
-                if time.monotonic() + backoff > give_up:
-                    raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"no decode instance had room for {spec.max_total_tokens} "
-                                      f"tokens within {self.settings.queue_timeout_seconds:.1f} s")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            try:
+                await asyncio.wait_for(self._head_of_line.acquire(),
+                                       max(give_up - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise self._no_room(inflight, give_up) from None
+            try:
+                return await self._poll_until_room(inflight, avoid, give_up)
+            finally:
+                self._head_of_line.release()
         finally:
-            self.waiting -= 1
+            self.queued -= 1
+
+    async def _poll_until_room(self, inflight: Inflight, avoid: set[str], give_up: float
+                               ) -> Reservation:
+        backoff = FIRST_BACKOFF_SECONDS
+        while True:
+            reservation = await self._try_all(inflight, avoid)
+            if reservation is not None:
+                return reservation
+            if time.monotonic() + backoff > give_up:
+                raise self._no_room(inflight, give_up)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+
+    async def _try_all(self, inflight: Inflight, avoid: set[str]) -> Reservation | None:
+        for decode in self.decodes.ordered(avoid):
+            reservation = await self._try_reserve(decode, inflight)
+            if reservation is not None:
+                return reservation
+        return None
+
+    def _no_room(self, inflight: Inflight, give_up: float) -> RouterError:
+        if give_up >= inflight.deadline:
+            return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "deadline passed while waiting for decode room")
+        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"no decode instance had room for {inflight.spec.max_total_tokens} "
+                           f"tokens within {self.settings.queue_timeout_seconds:.1f} s")
 
     async def _try_reserve(self, decode: Instance, inflight: Inflight) -> Reservation | None:
         spec = inflight.spec
@@ -279,7 +306,7 @@ async def serve(config: ModelConfig, settings: RouterSettings) -> None:
     servicer = RouterServicer(config, settings)
     pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     metrics.start(settings.common.metrics_port)
-    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.waiting)
+    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.queued)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
 
     async def on_stop() -> None:
