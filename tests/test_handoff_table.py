@@ -86,8 +86,8 @@ def test_link_rates_are_per_direction():
 
 def test_tinygpt_mirrors_model_config():
     """The hard-coded TinyGPT shape must follow pdserve's ModelConfig defaults if they change."""
-    config = pytest.importorskip("pdserve.core.config")
-    cfg = config.ModelConfig()
+    from pdserve.core.config import ModelConfig
+    cfg = ModelConfig()
     s = shape("TinyGPT")
     assert (s.layers, s.kv_heads, s.head_dim) == (cfg.n_layers, cfg.kv_heads, cfg.head_dim)
     assert s.bytes_per_element == cfg.bytes_per_element
@@ -165,8 +165,6 @@ def test_module_json_subprocess():
 def test_docs_table_is_current():
     """docs/handoff-table.md carries the generated table; regenerate it when figures change."""
     doc = REPO / "docs" / "handoff-table.md"
-    if not doc.exists():
-        pytest.skip("docs/handoff-table.md not present in this checkout")
     table = ht.render_markdown(ht.build_rows()).split("\n\n", 1)[0]
     hint = "regenerate with: python -m pdserve.tools.handoff_table --markdown"
     assert table in doc.read_text(encoding="utf-8"), hint
