@@ -125,8 +125,8 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
         spec = inflight.spec
+        prefill = self._pick_prefill(avoid)  # first: a reservation must never be left behind
         reservation = await self._reserve(inflight, avoid)
-        prefill = self._pick_prefill(avoid)
         prefill_call = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
