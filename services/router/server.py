@@ -206,6 +206,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             sampling=convert.sampling_to_pb(spec.sampling)), timeout=inflight.remaining())
         try:
             event = await call.read()
+        except asyncio.CancelledError:
+            call.cancel()  # the client left while we waited for the lease
+            raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise RouterError(exc.code(), "deadline passed while waiting for decode room")
