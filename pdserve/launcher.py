@@ -25,6 +25,9 @@ def add_up(sub) -> None:
     p.add_argument("--num-blocks", type=int, default=2048, help="decode KV blocks")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch threads for prefill and for decode each")
+    p.add_argument("--metrics-base-port", type=int, default=0,
+                   help="serve Prometheus metrics: router on this port, prefill on +1, decode on "
+                   "+2 (0: none)")
     p.add_argument("--demo", metavar="PROMPT", help="send this prompt once ready, print the "
                    "reply, then stop everything")
     p.add_argument("--demo-tokens", type=int, default=48)
@@ -32,26 +35,37 @@ def add_up(sub) -> None:
 
 
 def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_blocks: int,
-                   torch_threads: int) -> dict[str, list[str]]:
+                   torch_threads: int, metrics_base_port: int = 0) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "pdserve.cli", "serve"]
     loopback = ["--host", "127.0.0.1"]
     threads = ["--torch-threads", str(torch_threads)]
+
+    def metrics(offset: int) -> list[str]:
+        return ["--metrics-port", str(metrics_base_port + offset)] if metrics_base_port else []
+
     return {
         "decode": base + ["decode", *loopback, "--port", str(decode_port), *threads,
-                          "--num-blocks", str(num_blocks)],
-        "prefill": base + ["prefill", *loopback, "--port", str(prefill_port), *threads],
+                          "--num-blocks", str(num_blocks), *metrics(2)],
+        "prefill": base + ["prefill", *loopback, "--port", str(prefill_port), *threads,
+                           *metrics(1)],
         "router": base + ["router", *loopback, "--port", str(router_port),
                           "--prefill", f"127.0.0.1:{prefill_port}",
-                          "--decode", f"127.0.0.1:{decode_port}"],
+                          "--decode", f"127.0.0.1:{decode_port}", *metrics(0)],
     }
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM to `pdserve up` stops the stack the way Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 def run_up(args) -> int:
     args.port = args.port or free_port()
     commands = stack_commands(args.port, args.prefill_port or free_port(),
-                              args.decode_port or free_port(), args.num_blocks, args.torch_threads)
+                              args.decode_port or free_port(), args.num_blocks, args.torch_threads,
+                              args.metrics_base_port)
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not _wait_ready(f"127.0.0.1:{args.port}", procs):
             return 1
