@@ -74,6 +74,17 @@ def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
     settled(stack)
 
 
+def test_request_larger_than_the_pool_is_refused_at_once(services):
+    decode = services("decode", "--num-blocks", "24")  # 384 tokens in all
+    prefill = services("prefill")
+    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    err = rpc_error(lambda: generate(stack.router_stub(), greedy_request([1] * 300, 200), 10))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "whole pool" in err.details()
+    tokens, _, _ = generate(stack.router_stub(), greedy_request([1] * 30, 5))
+    assert len(tokens) == 5
+    settled(stack)
+
+
 def pending_on(stack: Stack) -> int:
     """Index of the decode instance holding an uncommitted lease (mid-transfer)."""
     return next((i for i in range(len(stack.decodes)) if stack.decodes[i].proc.poll() is None

@@ -13,6 +13,10 @@ class PoolExhausted(Exception):
     """Not enough unreserved blocks for the reservation asked for."""
 
 
+class NeverFits(PoolExhausted):
+    """The reservation is larger than the whole pool: waiting will not help."""
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -35,6 +39,9 @@ class BlockPool:
     def reserve(self, tokens: int) -> "BlockTable":
         """A table with room for `tokens` tokens, or PoolExhausted."""
         need = self.blocks_for(tokens)
+        if need > self.num_blocks:
+            raise NeverFits(f"needs {need} KV blocks ({tokens} tokens); the whole pool has "
+                            f"{self.num_blocks}")
         with self._lock:
             if need > len(self._free) - self._promised:
                 raise PoolExhausted(

@@ -8,7 +8,7 @@ import grpc
 
 from pdserve import metrics
 
-from pdserve.core.block_pool import PoolExhausted
+from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
@@ -69,6 +69,10 @@ class ColocatedServicer(pb_grpc.RouterServicer):
         while True:
             try:
                 return self.engine.submit(spec, sink)
+            except NeverFits as exc:
+                metrics.record_request("colocated", "RESOURCE_EXHAUSTED")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"request larger than the KV pool: {exc}")
             except PoolExhausted as exc:
                 if time.monotonic() + backoff > give_up:
                     metrics.record_request("colocated", "RESOURCE_EXHAUSTED")

@@ -10,7 +10,7 @@ import time
 import grpc
 
 from pdserve import metrics
-from pdserve.core.block_pool import PoolExhausted
+from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_digest
 from pdserve.core.request import InvalidRequest, validate
@@ -51,6 +51,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         try:
             lease = self.leases.grant(spec, ttl,
                                       lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        except NeverFits as exc:
+            metrics.REQUESTS.labels("decode", "error", "OUT_OF_RANGE").inc()
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"request larger than the pool: {exc}")
         except PoolExhausted as exc:
             metrics.REQUESTS.labels("decode", "error", "RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full: {exc}")

@@ -212,6 +212,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise RouterError(exc.code(), "deadline passed while waiting for decode room")
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # will never fit: say so at once
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"decode {decode.address}: {exc.details()}")
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.decodes.mark_down(decode)
             elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
