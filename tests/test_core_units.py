@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -136,3 +137,55 @@ def test_cli_help_explains(args):
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert "usage: pdserve" in out and len(out) > 200
+
+
+class AbortedDuringLeave:
+    """A sequence aborted (from another thread) just after the scheduler first reads `done`."""
+
+    def __init__(self, table):
+        self.table, self.aborted, self.reads = table, False, 0
+
+    @property
+    def done(self) -> bool:
+        self.reads += 1
+        if self.reads == 2:
+            self.aborted = True
+        return self.aborted
+
+
+def test_an_abort_racing_the_step_end_still_frees_the_blocks():
+    from pdserve.core.decode_scheduler import DecodeScheduler
+    pool = BlockPool(num_blocks=8, block_size=4)
+    table = pool.reserve(8)
+    table.ensure(8)
+    scheduler = DecodeScheduler(model=None, cache=None, max_batch=4)
+    seq = AbortedDuringLeave(table)
+    scheduler.running = [seq]
+    for _ in range(3):
+        scheduler._leave()
+    assert scheduler.running == [] and table.released and pool.available_blocks == 8
+
+
+def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
+    from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
+    from services.colocated.engine import ColocatedEngine
+    common = CommonSettings()
+    engine = ColocatedEngine(CONFIG, ColocatedSettings(common, DecodeSettings(common, num_blocks=64),
+                                                       PrefillSettings(common)))
+    handle = engine.submit(GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)),
+                           lambda emission: None)
+    remove, runners = engine.prefill.remove, []
+
+    def engine_thread_schedules_first(job):
+        """The engine thread takes the job just before abort() looks for it, and finishes it."""
+        taken = engine.prefill.schedule()
+        runners.append(threading.Thread(target=lambda: [j.on_done(1, None) for j in taken]))
+        runners[-1].start()
+        return remove(job)
+
+    engine.prefill.remove = engine_thread_schedules_first
+    engine.abort(handle)
+    runners[0].join(10)
+    assert not runners[0].is_alive()
+    engine.decode.step()  # the step boundary where an aborted sequence leaves
+    assert handle.table.released and engine.pool.available_blocks == 64

@@ -1,6 +1,7 @@
 """The decode service's ownership rules, driven directly over gRPC with KV computed here."""
 
 import signal
+import time
 
 import grpc
 import pytest
@@ -168,3 +169,10 @@ def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
     assert "pool full" in err.value.details()
     for call, _ in held:
         call.cancel()
+
+
+@pytest.mark.parametrize("asked", [1e9, -5.0, float("nan")])
+def test_a_caller_cannot_lengthen_or_break_the_lease_ttl(decode, asked):
+    call, lease = reserve(decode, ttl=asked)
+    assert 0 < lease.expires_at_unix - time.time() <= 30.0 + 1.0  # the server's default TTL
+    call.cancel()

@@ -88,6 +88,9 @@ class DecodeScheduler:
             self._joining.clear()
 
     def _leave(self) -> None:
-        for seq in [s for s in self.running if s.done]:
+        # `done` can turn true at any moment (abort from another thread): read it once.
+        leaving = [s for s in self.running if s.done]
+        for seq in leaving:
             seq.table.release()
-        self.running = [s for s in self.running if not s.done]
+        gone = set(map(id, leaving))
+        self.running = [s for s in self.running if id(s) not in gone]

@@ -40,4 +40,7 @@ class EngineLoop:
                 self._step()
             except Exception as exc:
                 log.exception("engine step failed")
-                self._on_crash(f"engine step failed: {exc}")
+                try:
+                    self._on_crash(f"engine step failed: {exc}")
+                except Exception:  # the loop must outlive its crash handler
+                    log.exception("engine crash handler failed")

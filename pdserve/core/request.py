@@ -84,8 +84,8 @@ def _check_tokens(token_ids: tuple[int, ...], config: ModelConfig) -> None:
 def _check_sampling(s: SamplingSpec) -> None:
     if s.max_tokens <= 0:
         raise InvalidRequest(f"max_tokens must be at least 1, got {s.max_tokens}")
-    if not s.temperature >= 0:  # also catches NaN
-        raise InvalidRequest(f"temperature must be >= 0, got {s.temperature}")
+    if not 0 <= s.temperature < float("inf"):  # also catches NaN
+        raise InvalidRequest(f"temperature must be >= 0 and finite, got {s.temperature}")
     if not 0 < s.top_p <= 1:
         raise InvalidRequest(f"top_p must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:

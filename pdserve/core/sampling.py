@@ -28,7 +28,8 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]) ->
 
 
 def _sample_row(logits: torch.Tensor, spec: SamplingSpec, step: int) -> int:
-    probs = torch.softmax(logits.double() / spec.temperature, dim=-1)
+    scaled = (logits.double() - logits.max()) / spec.temperature  # max first: no inf at tiny T
+    probs = torch.softmax(scaled, dim=-1)
     probs, order = torch.sort(probs, descending=True, stable=True)
     keep = len(probs) if spec.top_k == 0 else min(spec.top_k, len(probs))
     if spec.top_p < 1.0:

@@ -71,10 +71,12 @@ class ColocatedEngine:
     def abort(self, handle: Handle) -> None:
         with handle.lock:
             handle.cancelled = True
-            handle.job.cancelled = True
-            if self.prefill.remove(handle.job):
+            if self.prefill.remove(handle.job):  # never ran: nothing else will free its blocks
                 handle.table.release()
-            elif handle.sequence is not None:
+                return
+            # Running (then _prefilled sees `cancelled` and frees) or already decoding.
+            handle.job.cancelled = True
+            if handle.sequence is not None:
                 self.decode.abort(handle.sequence)
         self.loop.wake()
 

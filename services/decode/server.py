@@ -47,7 +47,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         events: asyncio.Queue[Emission] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        ttl = request.lease_ttl_seconds or self.settings.lease_ttl_seconds
+        ttl = self.settings.lease_ttl_seconds
+        if 0 < request.lease_ttl_seconds < ttl:  # a caller may shorten the lease, not lengthen it
+            ttl = request.lease_ttl_seconds
         try:
             lease = self.leases.grant(spec, ttl,
                                       lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
@@ -145,16 +147,19 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             lease.state, lease.first_chunk_at = LeaseState.RECEIVING, time.perf_counter()
 
     def _commit(self, commit: pb.KvCommit, current: Lease | None) -> pb.PushKvReply:
-        key = (commit.first_token_id, commit.num_chunks, commit.digest)
+        key = (commit.first_token_id, commit.num_chunks, commit.digest, commit.request_id,
+               commit.prompt_digest)
         done = self.leases.committed(commit.lease_id)
         if done is not None:
+            if current is not None and current is not done:
+                raise LeaseRejected("one KV stream carries one lease")
             if done.commit_key != key:
                 raise LeaseRejected(f"lease {commit.lease_id!r} was committed with other contents")
             return pb.PushKvReply(lease_id=done.lease_id, bytes=done.assembly.bytes,
                                   newly_committed=False)
         lease = self.leases.for_push(commit.lease_id)
-        if current is not None and lease is not current:
-            raise LeaseRejected("one KV stream carries one lease")
+        if current is not lease and (current is not None or lease.state is LeaseState.RECEIVING):
+            raise LeaseRejected("a commit must come on the stream that carried the lease's KV")
         if commit.request_id != lease.spec.request_id or \
                 commit.prompt_digest != prompt_digest(lease.spec.prompt_token_ids):
             raise LeaseRejected(f"lease {lease.lease_id!r} belongs to another request or prompt")

@@ -23,6 +23,9 @@ from services.prefill.kv_sender import KvSender
 
 log = logging.getLogger(__name__)
 
+# Decode addresses come from the router; a bound keeps a stream of new ones from piling up.
+MAX_DECODE_CHANNELS = 64
+
 
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, config: ModelConfig, settings: PrefillSettings, instance: str) -> None:
@@ -31,7 +34,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                           settings.max_batch_tokens)
         self.loop = EngineLoop("prefill-engine", self._step,
                                lambda: self.scheduler.has_work, lambda msg: None)
-        self._decode_stubs: dict[str, pb_grpc.DecodeStub] = {}
+        self._decode_stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.DecodeStub]] = {}
         self.admission = Admission()
 
     def _step(self) -> None:
@@ -96,9 +99,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def _stub(self, address: str) -> pb_grpc.DecodeStub:
         if address not in self._decode_stubs:
+            if len(self._decode_stubs) >= MAX_DECODE_CHANNELS:  # forget the oldest address
+                oldest = next(iter(self._decode_stubs))
+                channel, _ = self._decode_stubs.pop(oldest)
+                asyncio.ensure_future(channel.close(grace=30))
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._decode_stubs[address] = pb_grpc.DecodeStub(channel)
-        return self._decode_stubs[address]
+            self._decode_stubs[address] = (channel, pb_grpc.DecodeStub(channel))
+        return self._decode_stubs[address][1]
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:

@@ -32,6 +32,7 @@ REFRESH_SECONDS = 1.0
 FIRST_BACKOFF_SECONDS = 0.005
 MAX_BACKOFF_SECONDS = 0.1
 RETRY_BACKOFF_SECONDS = 0.05
+RESERVE_TIMEOUT_SECONDS = 5.0  # a healthy decode answers a reservation in about a millisecond
 # A backend failing with these is worth another try elsewhere; the others are final.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
@@ -70,6 +71,9 @@ class Reservation:
     call: grpc.aio.UnaryStreamCall
     lease: pb.LeaseGranted
     decode: Instance
+    # Set at decode's first token: the KV is committed and decode owns the sequence, so a
+    # prefill that fails after this point (before its reply) no longer matters.
+    streaming: bool = False
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -131,8 +135,10 @@ class RouterServicer(pb_grpc.RouterServicer):
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
             decode_address=reservation.decode.address), timeout=inflight.remaining()))
-        # A failed prefill ends the token stream too, so the relay below never waits forever.
-        prefill_call.add_done_callback(lambda call: _failed(call) and reservation.call.cancel())
+        # A prefill that fails before the commit ends the token stream too, so the relay below
+        # never waits forever; after the commit, decode owns the sequence and carries on.
+        prefill_call.add_done_callback(
+            lambda call: _failed(call) and not reservation.streaming and reservation.call.cancel())
         try:
             async for event in self._relay(reservation, prefill_call, prefill):
                 if isinstance(event, pb.TokenEvent):
@@ -205,10 +211,22 @@ class RouterServicer(pb_grpc.RouterServicer):
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling)), timeout=inflight.remaining())
         try:
-            event = await call.read()
+            # Bounded: a decode instance that accepts the call but stalls must not hold up the
+            # line (the head of the line waits here).
+            event = await asyncio.wait_for(call.read(), min(inflight.remaining(),
+                                                            RESERVE_TIMEOUT_SECONDS))
         except asyncio.CancelledError:
             call.cancel()  # the client left while we waited for the lease
             raise
+        except asyncio.TimeoutError:
+            call.cancel()
+            if time.monotonic() >= inflight.deadline:
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  "deadline passed while waiting for decode room") from None
+            log.warning("decode %s did not answer a reservation in %.0f s", decode.address,
+                        RESERVE_TIMEOUT_SECONDS)
+            self.decodes.mark_down(decode)
+            return None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise RouterError(exc.code(), "deadline passed while waiting for decode room")
@@ -217,9 +235,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                                   f"decode {decode.address}: {exc.details()}")
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.decodes.mark_down(decode)
-            elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            elif exc.code() not in RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
                 raise RouterError(exc.code(), f"decode {decode.address}: {exc.details()}")
-            return None
+            return None  # full, down or failing: try the next instance
         if event is grpc.aio.EOF or not event.HasField("lease"):
             call.cancel()
             return None
@@ -237,17 +255,18 @@ class RouterServicer(pb_grpc.RouterServicer):
         first_token_at = None
         try:
             while (event := await reservation.call.read()) is not grpc.aio.EOF:
+                reservation.streaming = True
                 first_token_at = first_token_at or time.perf_counter()
                 if event.HasField("tokens"):
                     yield event.tokens
                 elif event.HasField("finished"):
-                    yield event.finished, await prefill_call, first_token_at
+                    yield event.finished, await _reply_or_empty(prefill_call), first_token_at
                     return
         except grpc.aio.AioRpcError as exc:
             raise self._failure(exc.code(), exc.details(), reservation, prefill_call,
                                 prefill) from None
         except asyncio.CancelledError:
-            if not _failed(prefill_call):
+            if not _failed(prefill_call) or asyncio.current_task().cancelling():
                 raise  # the client left
             # The prefill's failure cancelled the decode call (see _attempt).
             raise self._failure(grpc.StatusCode.CANCELLED, "cancelled", reservation,
@@ -301,6 +320,16 @@ class RouterServicer(pb_grpc.RouterServicer):
                 await server.set_serving(now_serving)
                 serving = now_serving
             await asyncio.sleep(REFRESH_SECONDS)
+
+
+async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillReply:
+    """Prefill's reply; empty (no handoff figures) if prefill failed after decode's commit."""
+    try:
+        return await prefill_call
+    except grpc.aio.AioRpcError as exc:
+        log.warning("prefill failed after the commit (%s); the request completes without its "
+                    "handoff figures", exc.code().name)
+        return pb.PrefillReply()
 
 
 def _failed(call: asyncio.Future) -> bool:
