@@ -1,7 +1,8 @@
 """The Router gRPC service.
 
 A request's life in the router:
-  validate -> reserve (a lease on some decode instance; waits, bounded, while every pool is full)
+  validate -> reserve (a lease on some decode instance; waits, bounded, while every pool is full:
+  reservation.py)
   -> prefill (on some prefill instance, which pushes the KV to that decode instance)
   -> relay tokens from decode to the client -> final response with usage and metrics.
 A handoff that fails before any token reached the client is retried (bounded, with backoff) on
@@ -12,7 +13,6 @@ deadline bounds every outbound call; a client that leaves cancels both.
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
@@ -25,65 +25,20 @@ from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.router.backends import BackendSet, Instance
+from services.router.errors import RETRYABLE, HandoffFailed, RouterError
+from services.router.reservation import Inflight, Reservation, ReservationLine
 
 log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 1.0
-FIRST_BACKOFF_SECONDS = 0.005
-MAX_BACKOFF_SECONDS = 0.1
 RETRY_BACKOFF_SECONDS = 0.05
-RESERVE_TIMEOUT_SECONDS = 5.0  # a healthy decode answers a reservation in about a millisecond
-# A backend failing with these is worth another try elsewhere; the others are final.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS}
-
-
-class RouterError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class HandoffFailed(RouterError):
-    """A backend failed in a way another instance might not; `instances` are to be avoided."""
-
-    def __init__(self, message: str, instances: set[str]) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
-        self.instances = instances
-
-
-@dataclass
-class Inflight:
-    """One request as the router carries it: what was asked, when, and until when."""
-
-    spec: GenerateSpec
-    received: float  # time.perf_counter()
-    deadline: float  # time.monotonic(): the client's, capped by --request-timeout-seconds
-
-    def remaining(self) -> float:
-        """The timeout for an outbound call: every call ends by the request's deadline."""
-        return max(self.deadline - time.monotonic(), 0.001)
-
-
-@dataclass
-class Reservation:
-    call: grpc.aio.UnaryStreamCall
-    lease: pb.LeaseGranted
-    decode: Instance
-    # Set at decode's first token: the KV is committed and decode owns the sequence, so a
-    # prefill that fails after this point (before its reply) no longer matters.
-    streaming: bool = False
-
-
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, config: ModelConfig, settings: RouterSettings) -> None:
         self.config, self.settings = config, settings
         self.prefills = BackendSet("prefill", settings.prefill, pb_grpc.PrefillStub)
         self.decodes = BackendSet("decode", settings.decode, pb_grpc.DecodeStub)
         self.admission = Admission()
-        self.queued = 0  # requests waiting in line for decode room
-        self._head_of_line = asyncio.Lock()  # FIFO: the waiting request allowed to poll
+        self.line = ReservationLine(self.decodes, settings)
 
     @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -130,7 +85,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
         spec = inflight.spec
         prefill = self._pick_prefill(avoid)  # first: a reservation must never be left behind
-        reservation = await self._reserve(inflight, avoid)
+        reservation = await self.line.reserve(inflight, avoid)
         prefill_call = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
@@ -151,97 +106,6 @@ class RouterServicer(pb_grpc.RouterServicer):
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
-
-    async def _reserve(self, inflight: Inflight, avoid: set[str]) -> Reservation:
-        """A lease from the first decode instance with room. While none has room, requests wait
-        in line, first come first served, bounded in number and time; only the head of the
-        line polls decode, so a full pool is not hammered by every waiting request."""
-        if self.queued == 0:
-            reservation = await self._try_all(inflight, avoid)
-            if reservation is not None:
-                return reservation
-        if self.queued >= self.settings.max_queue:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router queue is full ({self.settings.max_queue} waiting)")
-        give_up = min(time.monotonic() + self.settings.queue_timeout_seconds, inflight.deadline)
-        self.queued += 1
-        try:
-            try:
-                await asyncio.wait_for(self._head_of_line.acquire(),
-                                       max(give_up - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                raise self._no_room(inflight, give_up) from None
-            try:
-                return await self._poll_until_room(inflight, avoid, give_up)
-            finally:
-                self._head_of_line.release()
-        finally:
-            self.queued -= 1
-
-    async def _poll_until_room(self, inflight: Inflight, avoid: set[str], give_up: float
-                               ) -> Reservation:
-        backoff = FIRST_BACKOFF_SECONDS
-        while True:
-            reservation = await self._try_all(inflight, avoid)
-            if reservation is not None:
-                return reservation
-            if time.monotonic() + backoff > give_up:
-                raise self._no_room(inflight, give_up)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
-
-    async def _try_all(self, inflight: Inflight, avoid: set[str]) -> Reservation | None:
-        for decode in self.decodes.ordered(avoid):
-            reservation = await self._try_reserve(decode, inflight)
-            if reservation is not None:
-                return reservation
-        return None
-
-    def _no_room(self, inflight: Inflight, give_up: float) -> RouterError:
-        if give_up >= inflight.deadline:
-            return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "deadline passed while waiting for decode room")
-        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"no decode instance had room for {inflight.spec.max_total_tokens} "
-                           f"tokens within {self.settings.queue_timeout_seconds:.1f} s")
-
-    async def _try_reserve(self, decode: Instance, inflight: Inflight) -> Reservation | None:
-        spec = inflight.spec
-        call = decode.stub.Generate(pb.DecodeRequest(
-            request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
-            sampling=convert.sampling_to_pb(spec.sampling)), timeout=inflight.remaining())
-        try:
-            # Bounded: a decode instance that accepts the call but stalls must not hold up the
-            # line (the head of the line waits here).
-            event = await asyncio.wait_for(call.read(), min(inflight.remaining(),
-                                                            RESERVE_TIMEOUT_SECONDS))
-        except asyncio.CancelledError:
-            call.cancel()  # the client left while we waited for the lease
-            raise
-        except asyncio.TimeoutError:
-            call.cancel()
-            if time.monotonic() >= inflight.deadline:
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  "deadline passed while waiting for decode room") from None
-            log.warning("decode %s did not answer a reservation in %.0f s", decode.address,
-                        RESERVE_TIMEOUT_SECONDS)
-            self.decodes.mark_down(decode)
-            return None
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise RouterError(exc.code(), "deadline passed while waiting for decode room")
-            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # will never fit: say so at once
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"decode {decode.address}: {exc.details()}")
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.decodes.mark_down(decode)
-            elif exc.code() not in RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
-                raise RouterError(exc.code(), f"decode {decode.address}: {exc.details()}")
-            return None  # full, down or failing: try the next instance
-        if event is grpc.aio.EOF or not event.HasField("lease"):
-            call.cancel()
-            return None
-        return Reservation(call, event.lease, decode)
 
     def _pick_prefill(self, avoid: set[str]) -> Instance:
         ordered = self.prefills.ordered(avoid)
@@ -341,7 +205,7 @@ async def serve(config: ModelConfig, settings: RouterSettings) -> None:
     servicer = RouterServicer(config, settings)
     pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     metrics.start(settings.common.metrics_port)
-    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.queued)
+    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
 
     async def on_stop() -> None:
