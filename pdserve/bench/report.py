@@ -260,10 +260,6 @@ def _num(x, digits: int = 2) -> str:
 
 # ---------------------------------------------------------------------------------- charts
 
-def _label(doc: dict, fallback: str) -> str:
-    return doc["conditions"]["target"].get("label") or fallback
-
-
 def _pyplot():
     import matplotlib
     matplotlib.use("Agg")

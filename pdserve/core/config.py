@@ -43,9 +43,5 @@ class ModelConfig:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
         return 2 * self.n_layers * self.kv_heads * self.head_dim * self.bytes_per_element
 
-    @property
-    def eos_token_id(self) -> int:
-        return self.vocab_size - 1
-
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}

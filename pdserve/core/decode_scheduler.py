@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pdserve.core.model import TinyGPT
 from pdserve.core.paged_cache import PagedCache
 from pdserve.core.sampling import sample
-from pdserve.core.sequence import Sequence
+from pdserve.core.block_pool import BlockTable
+from pdserve.core.request import GenerateSpec
+from pdserve.core.sequence import Sequence, Sink
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,18 @@ class DecodeScheduler:
         self._joining: deque[Sequence] = deque()
         self._lock = threading.Lock()
 
-    def add(self, seq: Sequence) -> None:
-        """Queues a committed sequence whose first token has been appended already."""
-        with self._lock:
-            self._joining.append(seq)
+    def start(self, spec: GenerateSpec, table: BlockTable, sink: Sink, first_token: int
+              ) -> Sequence:
+        """A sequence whose prompt KV is in `table`, beginning with prefill's first token; it
+        joins at the next step, unless that token already ended it (then its blocks go back)."""
+        seq = Sequence(spec, table, sink)
+        seq.append(first_token)
+        if seq.done:
+            table.release()
+        else:
+            with self._lock:
+                self._joining.append(seq)
+        return seq
 
     def abort(self, seq: Sequence) -> None:
         """Marks a sequence to leave at the next step boundary (its blocks are freed then)."""

@@ -87,6 +87,13 @@ class Server:
             await result
 
 
+def emission_queue() -> tuple[asyncio.Queue, Callable[[object], None]]:
+    """A queue on the running event loop, and a sink that any thread (an engine) may feed."""
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    return queue, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
 def admitted(handler):
     """A server-streaming handler of a servicer with an `admission`: refused while draining,
     counted as in flight while it runs."""

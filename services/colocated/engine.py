@@ -90,13 +90,7 @@ class ColocatedEngine:
             if handle.cancelled:
                 handle.table.release()
                 return
-            seq = Sequence(handle.spec, handle.table, handle.sink)
-            handle.sequence = seq
-            seq.append(token)
-            if seq.done:
-                seq.table.release()
-            else:
-                self.decode.add(seq)
+            handle.sequence = self.decode.start(handle.spec, handle.table, handle.sink, token)
 
     def _failed(self, handle: Handle, message: str) -> None:
         handle.table.release()

@@ -13,7 +13,8 @@ from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, admitted, instance_name, run_until_signalled
+from pdserve.rpc.server import (Admission, Server, admitted, emission_queue, instance_name,
+                                run_until_signalled)
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -40,10 +41,8 @@ class ColocatedServicer(pb_grpc.RouterServicer):
         except InvalidRequest as exc:
             metrics.record_request("colocated", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        events: asyncio.Queue[Emission] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        handle = await self._submit(spec, lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
-                                    context)
+        events, sink = emission_queue()
+        handle = await self._submit(spec, sink, context)
         try:
             first_token_at = None
             while True:

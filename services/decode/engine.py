@@ -44,13 +44,8 @@ class DecodeEngine:
 
     def start_sequence(self, lease: Lease, first_token: int) -> Sequence:
         """Turns a committed lease into a running sequence that begins with prefill's token."""
-        seq = Sequence(lease.spec, lease.table, lease.sink)
-        seq.append(first_token)
-        if seq.done:
-            seq.table.release()
-        else:
-            self.scheduler.add(seq)
-            self.loop.wake()
+        seq = self.scheduler.start(lease.spec, lease.table, lease.sink, first_token)
+        self.loop.wake()
         return seq
 
     def abort(self, seq: Sequence) -> None:

@@ -14,9 +14,9 @@ from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_digest
 from pdserve.core.request import InvalidRequest, validate
-from pdserve.core.sequence import Emission
 from pdserve.rpc import convert
-from pdserve.rpc.server import Admission, Server, admitted, instance_name, run_until_signalled
+from pdserve.rpc.server import (Admission, Server, admitted, emission_queue, instance_name,
+                                run_until_signalled)
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -45,14 +45,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 request.request_id, request.prompt_token_ids, request.sampling), self.config)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        events: asyncio.Queue[Emission] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        events, sink = emission_queue()
         ttl = self.settings.lease_ttl_seconds
         if 0 < request.lease_ttl_seconds < ttl:  # a caller may shorten the lease, not lengthen it
             ttl = request.lease_ttl_seconds
         try:
-            lease = self.leases.grant(spec, ttl,
-                                      lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+            lease = self.leases.grant(spec, ttl, sink)
         except NeverFits as exc:
             metrics.REQUESTS.labels("decode", "error", "OUT_OF_RANGE").inc()
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"request larger than the pool: {exc}")
