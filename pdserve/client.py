@@ -17,7 +17,11 @@ FINISH_NAMES = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="send one prompt to a router and stream the reply",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("prompt", help="prompt text (byte-level tokenized)")
+    p.add_argument("prompt", help="prompt text, tokenized by the server with its model's tokenizer")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user's chat message, rendered with the model's chat "
+                   "template (the reply is the assistant's turn)")
+    p.add_argument("--system", help="with --chat: a system message before the user's")
     p.add_argument("--address", default=env("ADDRESS", "127.0.0.1:50051"),
                    help="router (or colocated) address (PDSERVE_ADDRESS)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -32,9 +36,14 @@ def add_generate(sub) -> None:
 
 
 def request_from_args(args) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=args.prompt, sampling=pb.SamplingParams(
+    sampling = pb.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos))
+        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if not args.chat:
+        return pb.GenerateRequest(prompt=args.prompt, sampling=sampling)
+    messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+    messages.append(pb.ChatMessage(role="user", content=args.prompt))
+    return pb.GenerateRequest(messages=messages, sampling=sampling)
 
 
 def run_generate(args) -> int:

@@ -9,35 +9,46 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from pdserve.client import check_health
 from pdserve.localstack import free_port
+from pdserve.settings import DEFAULT_PORTS, CommonSettings, DecodeSettings, add_flags, as_flags
 
 READY_TIMEOUT_SECONDS = 120.0
 
 
+# Settings `pdserve up` hands on to every service it starts; their flags come from pdserve.settings.
+SHARED_SETTINGS = ("model", "dtype")
+
+
 def add_up(sub) -> None:
-    p = sub.add_parser("up", help="run prefill, decode and router as local processes",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--port", type=int, default=50051, help="router port, 0 picks a free one")
+    p = sub.add_parser("up", help="run prefill, decode and router as local processes")
+    p.add_argument("--port", type=int, default=DEFAULT_PORTS["router"],
+                   help="router port, 0 picks a free one (default %(default)s)")
     p.add_argument("--prefill-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--decode-port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--num-blocks", type=int, default=2048, help="decode KV blocks")
+    add_flags(p.add_argument_group("model", "handed on to every service"), CommonSettings,
+              only=SHARED_SETTINGS)
+    add_flags(p, DecodeSettings, only=("num_blocks",))
+    # 1, not torch's default: prefill and decode share this machine's cores.
     p.add_argument("--torch-threads", type=int, default=1,
-                   help="torch threads for prefill and for decode each")
+                   help="torch threads for prefill and for decode each (default %(default)s)")
     p.add_argument("--metrics-base-port", type=int, default=0,
                    help="serve Prometheus metrics: router on this port, prefill on +1, decode on "
                    "+2 (0: none)")
     p.add_argument("--demo", metavar="PROMPT", help="send this prompt once ready, print the "
                    "reply, then stop everything")
-    p.add_argument("--demo-tokens", type=int, default=48)
+    p.add_argument("--demo-tokens", type=int, default=48, help="reply length of the demo (default %(default)s)")
     p.set_defaults(func=run_up)
 
 
 def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_blocks: int,
-                   torch_threads: int, metrics_base_port: int = 0) -> dict[str, list[str]]:
+                   torch_threads: int, metrics_base_port: int = 0,
+                   shared: Sequence[str] = ()) -> dict[str, list[str]]:
+    """Each service's command line; `shared` (--model, --dtype) goes to all three."""
     base = [sys.executable, "-m", "pdserve.cli", "serve"]
-    loopback = ["--host", "127.0.0.1"]
+    loopback = ["--host", "127.0.0.1", *shared]
     threads = ["--torch-threads", str(torch_threads)]
 
     def metrics(offset: int) -> list[str]:
@@ -60,10 +71,17 @@ def _interrupt(signum, frame) -> None:
 
 
 def run_up(args) -> int:
+    # A bad --model or --dtype is one error here (exit 2), not three failed start-ups; a GGUF is
+    # converted here once rather than by three services at the same time.
+    CommonSettings(model=args.model, dtype=args.dtype)
+    from pdserve.models.loading import load_served_model
+    served = load_served_model(args.model, args.dtype, weights=False)
+    print(f"model: {served.identity}", flush=True)
     args.port = args.port or free_port()
     commands = stack_commands(args.port, args.prefill_port or free_port(),
                               args.decode_port or free_port(), args.num_blocks, args.torch_threads,
-                              args.metrics_base_port)
+                              args.metrics_base_port,
+                              as_flags(CommonSettings, args, SHARED_SETTINGS))
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -71,7 +89,7 @@ def run_up(args) -> int:
             return 1
         print(f"pdserve is up: router on 127.0.0.1:{args.port} (Ctrl-C stops it)", flush=True)
         if args.demo:
-            return _demo(args)
+            return _demo(args, chat=served.tokenizer.has_chat_template)
         while all(p.poll() is None for p in procs.values()):
             time.sleep(0.5)
         print("a service exited; stopping the rest", file=sys.stderr)
@@ -96,12 +114,14 @@ def _wait_ready(address: str, procs: dict[str, subprocess.Popen]) -> bool:
     return False
 
 
-def _demo(args) -> int:
+def _demo(args, chat: bool) -> int:
+    """One greedy request; a chat turn where the model has a chat template."""
     from pdserve.client import run_generate
-    print(f"demo prompt: {args.demo!r}", flush=True)
-    demo = argparse.Namespace(prompt=args.demo, address=f"127.0.0.1:{args.port}",
-                              max_tokens=args.demo_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                              seed=0, stop=[], ignore_eos=True, timeout=60.0)
+    print(f"demo {'question' if chat else 'prompt'}: {args.demo!r}", flush=True)
+    demo = argparse.Namespace(prompt=args.demo, chat=chat, system=None,
+                              address=f"127.0.0.1:{args.port}", max_tokens=args.demo_tokens,
+                              temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=[],
+                              ignore_eos=False, timeout=120.0)
     return run_generate(demo)
 
 

@@ -1,81 +1,127 @@
-"""Every service's settings: one frozen dataclass each, defaults overridable by PDSERVE_* variables.
+"""Every service's settings: one frozen dataclass each, each setting defined once.
 
-This is the only module that reads the environment. The command line (pdserve.cli) shows each
-setting as a flag whose default comes from here, so `--help` tells what is in force.
+A setting is a dataclass field made with `setting()`: its name, type, default and help text. From
+that one definition come its flag (`--max-decode-batch`), its environment variable
+(PDSERVE_MAX_DECODE_BATCH), its line in `pdserve serve ROLE --help` and its row in the table of
+docs/containers.md (`python -m pdserve.settings` prints it). Adding a setting is one edit here.
+
+This is the only module that reads the environment. A variable sets a flag's default, so a flag
+given on the command line wins, and `--help` shows the value in force. An empty variable counts as
+unset, so docker-compose.yml can pass `${PDSERVE_X:-}` through without repeating the default.
 """
 
+import argparse
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import ClassVar, get_type_hints
 
 from pdserve.faults import Faults
 
 ENV_PREFIX = "PDSERVE_"
+DEFAULT_PORTS = {"router": 50051, "prefill": 50052, "decode": 50053, "colocated": 50051}
+DTYPES = ("", "bfloat16", "float16", "float32")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 
 
-def env(name: str, default):
-    """PDSERVE_<NAME> converted to the type of `default`, or `default` when unset."""
-    raw = os.environ.get(ENV_PREFIX + name)
-    if raw is None:
-        return default
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
+def setting(default, help: str, flag: str | None = None):
+    """A settings field that carries its help text.
+
+    `flag` names the flag, and so the variable, where the field's name would be ambiguous on a
+    command line shared with other services' settings (DecodeSettings.max_batch is
+    --max-decode-batch, since the colocated service also has a prefill batch).
+    """
+    metadata = {"help": help, "flag": flag}
     if isinstance(default, list):
-        return [item.strip() for item in raw.split(",") if item.strip()]
-    return type(default)(raw)
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class CommonSettings:
-    host: str = "0.0.0.0"
-    port: int = 0
-    metrics_port: int = 0  # 0: no metrics endpoint
-    instance: str = ""  # name in logs and responses; defaults to <role>@<host>:<port>
-    grace_seconds: float = 10.0
-    torch_threads: int = 0  # 0: torch's default
-    faults: Faults = field(default_factory=Faults)  # tests only: PDSERVE_FAULTS
+    TITLE: ClassVar[str] = "server"
+
+    model: str = setting(
+        "smollm2-135m-instruct",
+        "the model to serve: a checkpoint directory (config.json, *.safetensors, tokenizer.json), "
+        "a .gguf file, or a built-in name (smollm2-135m-instruct, tinygpt)")
+    dtype: str = setting(
+        "", "weights and KV dtype: bfloat16, float16 or float32; empty for the checkpoint's own")
+    host: str = setting("0.0.0.0", "address to listen on")
+    port: int = setting(0, "gRPC port, 0 picks a free one")
+    metrics_port: int = setting(0, "Prometheus /metrics HTTP port, 0 for none")
+    instance: str = setting("", "name in logs and responses; empty for role@host:port")
+    grace_seconds: float = setting(
+        10.0, "on SIGTERM, how long in-flight requests may take to finish")
+    torch_threads: int = setting(0, "threads for torch, 0 for torch's default")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    # Not a flag: fault injection is for tests only and must never be on by accident.
+    faults: Faults = field(default_factory=Faults)  # PDSERVE_FAULTS
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a checkpoint, a .gguf file or a built-in model")
+        _one_of(self, "dtype", DTYPES)
+        _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
+    TITLE: ClassVar[str] = "decode pool"
+
     common: CommonSettings
-    num_blocks: int = 2048
-    block_size: int = 16
-    max_batch: int = 64
-    lease_ttl_seconds: float = 30.0
+    num_blocks: int = setting(2048, "KV blocks in the pool")
+    block_size: int = setting(16, "tokens per KV block")
+    max_batch: int = setting(64, "sequences decoded together per step", flag="max-decode-batch")
+    lease_ttl_seconds: float = setting(30.0, "an uncommitted reservation expires after this long")
 
     def __post_init__(self) -> None:
-        _positive(num_blocks=self.num_blocks, block_size=self.block_size, max_batch=self.max_batch,
-                  lease_ttl_seconds=self.lease_ttl_seconds)
+        _positive(self, "num_blocks", "block_size", "max_batch", "lease_ttl_seconds")
 
 
 @dataclass(frozen=True)
 class PrefillSettings:
+    TITLE: ClassVar[str] = "prefill batching"
+
     common: CommonSettings
-    max_batch_size: int = 8
-    max_batch_tokens: int = 4096
-    chunk_bytes: int = 1 << 20
+    max_batch_size: int = setting(8, "prompts per prefill batch", flag="max-prefill-batch")
+    max_batch_tokens: int = setting(4096, "prompt tokens per prefill batch",
+                                    flag="max-prefill-tokens")
+    # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (LIMITS.md).
+    chunk_bytes: int = setting(1 << 20, "largest KV chunk sent to decode")
 
     def __post_init__(self) -> None:
-        _positive(max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
-                  chunk_bytes=self.chunk_bytes)
+        _positive(self, "max_batch_size", "max_batch_tokens", "chunk_bytes")
 
 
 @dataclass(frozen=True)
 class RouterSettings:
+    TITLE: ClassVar[str] = "routing"
+
     common: CommonSettings
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    max_queue: int = 256
-    queue_timeout_seconds: float = 30.0
-    max_attempts: int = 3  # handoff attempts per request before UNAVAILABLE
-    request_timeout_seconds: float = 600.0  # deadline for a request whose client set none
+    prefill: list[str] = setting(
+        [f"127.0.0.1:{DEFAULT_PORTS['prefill']}"],
+        "prefill instances, host:port; a host with several addresses counts as several instances")
+    decode: list[str] = setting([f"127.0.0.1:{DEFAULT_PORTS['decode']}"],
+                                "decode instances, host:port")
+    max_queue: int = setting(
+        256, "requests that may wait for decode room; more get RESOURCE_EXHAUSTED")
+    queue_timeout_seconds: float = setting(30.0, "longest wait for decode room")
+    max_attempts: int = setting(
+        3, "handoff attempts per request; a request is retried on another instance only while "
+        "no token has reached the client")
+    request_timeout_seconds: float = setting(
+        600.0, "deadline of a request whose client set none; a client's own deadline is kept "
+        "when shorter")
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one prefill and one decode address")
-        _positive(max_queue=self.max_queue, queue_timeout_seconds=self.queue_timeout_seconds,
-                  max_attempts=self.max_attempts,
-                  request_timeout_seconds=self.request_timeout_seconds)
+            raise ValueError("the router needs at least one prefill and one decode address "
+                             "(--prefill, --decode)")
+        _positive(self, "max_queue", "queue_timeout_seconds", "max_attempts",
+                  "request_timeout_seconds")
 
 
 @dataclass(frozen=True)
@@ -85,7 +131,188 @@ class ColocatedSettings:
     prefill: PrefillSettings
 
 
-def _positive(**values) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+# The settings each role shows as flags, in --help order.
+ROLE_SETTINGS = {"router": (CommonSettings, RouterSettings),
+                 "prefill": (CommonSettings, PrefillSettings),
+                 "decode": (CommonSettings, DecodeSettings),
+                 "colocated": (CommonSettings, DecodeSettings, PrefillSettings)}
+
+
+def _positive(settings, *names: str) -> None:
+    for name in names:
+        if getattr(settings, name) <= 0:
+            raise ValueError(f"{_described(settings, name)} must be positive, "
+                             f"got {getattr(settings, name)}")
+
+
+def _one_of(settings, name: str, choices: tuple, value=None) -> None:
+    value = getattr(settings, name) if value is None else value
+    if value not in choices:
+        raise ValueError(f"{_described(settings, name)} must be one of "
+                         f"{', '.join(map(repr, choices))}; got {value!r}")
+
+
+def _described(settings, name: str) -> str:
+    """A setting as its user set it: by flag or variable, which may differ from the field name."""
+    f = next(f for f in fields(settings) if f.name == name)
+    return f"{flag_name(f)} ({env_name(f)})"
+
+
+# --- Names: each derived from the field, so a setting never spells them out. ---
+
+def settings_fields(cls) -> list[Field]:
+    """The fields of `cls` made with `setting()`: the ones shown as flags."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
+def _option(f: Field) -> str:
+    return (f.metadata["flag"] or f.name).replace("_", "-")
+
+
+def flag_name(f: Field) -> str:
+    return "--" + _option(f)
+
+
+def env_name(f: Field) -> str:
+    return ENV_PREFIX + _option(f).replace("-", "_").upper()
+
+
+def _dest(f: Field) -> str:
+    return _option(f).replace("-", "_")
+
+
+def _default(f: Field):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _raw_env(name: str) -> str | None:
+    """The variable's text; None when unset or empty (empty means "use the default")."""
+    return os.environ.get(name) or None
+
+
+def env(name: str, default):
+    """PDSERVE_<NAME> converted to the type of `default`, or `default` when unset.
+
+    For flags outside the services' settings (the client's --address); settings use add_flags.
+    """
+    raw = _raw_env(ENV_PREFIX + name)
+    if raw is None:
+        return default
+    if isinstance(default, list):
+        return _split(raw)
+    return _converter(type(default), ENV_PREFIX + name)(raw)
+
+
+def _split(raw: str) -> list[str]:
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+# --- Settings <-> command line ---
+
+def _converter(kind: type, variable: str):
+    """Text to `kind`, failing with a message that names where the text may have come from."""
+    def convert(text: str):
+        try:
+            return _BOOLS[text.lower()] if kind is bool else kind(text)
+        except (KeyError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a' if kind is not int else 'an'} {kind.__name__} "
+                f"(from the flag or {variable})") from None
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _shown(value) -> str:
+    if isinstance(value, list):
+        return ",".join(value)
+    return str(value) if value != "" else '""'
+
+
+def _help(f: Field, default, raw: str | None, listed: bool) -> str:
+    """The help text, ending with the variable and the value in force; % escaped for argparse."""
+    variable = env_name(f) + (", comma-separated" if listed else "")
+    in_force = f"default {_shown(default)}" if raw is None else f"now {raw}, from the environment"
+    return f"{f.metadata['help']} ({variable}; {in_force})".replace("%", "%%")
+
+
+def _argument(kind, f: Field, default) -> dict:
+    """add_argument options for one setting; the variable, when set, replaces the default."""
+    raw, listed = _raw_env(env_name(f)), kind == list[str]
+    options = {"dest": _dest(f), "metavar": _dest(f).upper(),
+               "help": _help(f, default, raw, listed)}
+    if listed:  # comma-separated in the variable, separate words on the command line
+        return options | {"nargs": "+", "default": default if raw is None else _split(raw)}
+    # A text default is converted by argparse only when the flag is absent, so a bad variable is
+    # an error (exit 2, with usage) only for the command that uses it, and a flag overrides it.
+    return options | {"type": _converter(kind, env_name(f)),
+                      "default": default if raw is None else raw}
+
+
+def add_flags(parser, cls, defaults: dict | None = None, only: tuple[str, ...] | None = None):
+    """Adds a flag for each setting of `cls` (or for the named ones) to an argparse parser/group.
+
+    `defaults` replaces a setting's default, for a value that depends on the role (the port).
+    """
+    kinds = get_type_hints(cls)
+    for f in settings_fields(cls):
+        if only is None or f.name in only:
+            default = (defaults or {}).get(f.name, _default(f))
+            parser.add_argument(flag_name(f), **_argument(kinds[f.name], f, default))
+
+
+def add_role_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """The flags of `pdserve serve ROLE`, one argument group per settings class."""
+    for cls in ROLE_SETTINGS[role]:
+        add_flags(parser.add_argument_group(cls.TITLE), cls, {"port": DEFAULT_PORTS[role]})
+
+
+def from_args(cls, args: argparse.Namespace, **given):
+    """`cls` from parsed flags; `given` supplies the fields that are not flags (common)."""
+    return cls(**{f.name: getattr(args, _dest(f)) for f in settings_fields(cls)}, **given)
+
+
+def settings_from_args(role: str, args: argparse.Namespace):
+    """The settings object `services.<role>.server.serve` takes. ValueError when one is invalid."""
+    common = from_args(CommonSettings, args, faults=Faults.parse(_raw_env("PDSERVE_FAULTS") or ""))
+    if role == "colocated":
+        return ColocatedSettings(common, from_args(DecodeSettings, args, common=common),
+                                 from_args(PrefillSettings, args, common=common))
+    service = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
+    return from_args(service[role], args, common=common)
+
+
+def as_flags(cls, args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """Command-line words that hand these settings' parsed values on to a child process."""
+    words = []
+    for f in settings_fields(cls):
+        if f.name in names:
+            value = getattr(args, _dest(f))
+            words += [flag_name(f), *(value if isinstance(value, list) else [str(value)])]
+    return words
+
+
+# --- Documentation ---
+
+def _roles_of(cls) -> str:
+    roles = [role for role, classes in ROLE_SETTINGS.items() if cls in classes]
+    return "all" if len(roles) == len(ROLE_SETTINGS) else ", ".join(roles)
+
+
+def _documented_default(f: Field) -> str:
+    if f.name == "port":  # the one default that depends on the role
+        return ", ".join(f"{role} {port}" for role, port in DEFAULT_PORTS.items())
+    return f"`{_shown(_default(f))}`"
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting, as docs/containers.md holds it."""
+    lines = ["| variable | flag | services | default | |", "|---|---|---|---|---|"]
+    for cls in (CommonSettings, DecodeSettings, PrefillSettings, RouterSettings):
+        for f in settings_fields(cls):
+            lines.append(f"| `{env_name(f)}` | `{flag_name(f)}` | {_roles_of(cls)} | "
+                         f"{_documented_default(f)} | {f.metadata['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(settings_table())

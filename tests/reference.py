@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.config import ModelConfig
-from pdserve.core.model import TinyGPT
+from pdserve.models.loading import load_served_model
+from pdserve.models.tinygpt import TinyGPT
 
 # Batched, paged and contiguous paths differ by ~2e-5 in the logits (measured on this model);
 # logits have a spread of about 1, so 1e-3 is 50x the noise and still a very close tie.
@@ -24,7 +24,7 @@ TOTALS = {"tokens": 0, "near_ties": 0}
 def model() -> TinyGPT:
     global _model
     if _model is None:
-        _model = TinyGPT(ModelConfig()).eval()
+        _model = load_served_model("tinygpt").model
     return _model
 
 

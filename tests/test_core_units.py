@@ -14,6 +14,7 @@ from pdserve.core.config import ModelConfig
 from pdserve.core.output_text import OutputText
 from pdserve.core.request import GenerateSpec, InvalidRequest, SamplingSpec, validate
 from pdserve.core.sampling import sample, uniform
+from pdserve.models.tokenizer import ByteTokenizer
 
 CONFIG = ModelConfig()
 
@@ -35,20 +36,20 @@ def test_block_pool_reserves_grows_and_releases():
 
 
 def test_output_text_holds_back_a_stop_string_spread_over_tokens():
-    text = OutputText(stop=("END",))
+    text = OutputText(ByteTokenizer().detokenizer(()), stop=("END",))
     sent = "".join(text.feed(t) for t in b"abcEN")
     assert sent == "abc" and not text.stopped
     assert text.feed(ord("D")) == "" and text.stopped
 
 
 def test_output_text_releases_a_false_stop_prefix():
-    text = OutputText(stop=("END",))
+    text = OutputText(ByteTokenizer().detokenizer(()), stop=("END",))
     sent = "".join(text.feed(t) for t in b"aENx")
     assert sent == "aENx" and not text.stopped
 
 
 def test_output_text_assembles_utf8_across_tokens():
-    text = OutputText()
+    text = OutputText(ByteTokenizer().detokenizer(()))
     pieces = [text.feed(t) for t in "é!".encode()]
     assert pieces == ["", "é", "!"]
 
@@ -111,7 +112,8 @@ def test_kv_assembly_demands_order_and_completeness():
 
 
 def test_model_has_chapter_scale_and_identical_weights():
-    from pdserve.core.model import TinyGPT, parameter_count
+    from pdserve.models.decoder import parameter_count
+    from pdserve.models.tinygpt import TinyGPT
     a, b = TinyGPT(CONFIG), TinyGPT(CONFIG)
     assert 5.5e6 < parameter_count(a) < 6.2e6
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -158,7 +160,7 @@ def test_an_abort_racing_the_step_end_still_frees_the_blocks():
     pool = BlockPool(num_blocks=8, block_size=4)
     table = pool.reserve(8)
     table.ensure(8)
-    scheduler = DecodeScheduler(model=None, cache=None, max_batch=4)
+    scheduler = DecodeScheduler(model=None, tokenizer=ByteTokenizer(), cache=None, max_batch=4)
     seq = AbortedDuringLeave(table)
     scheduler.running = [seq]
     for _ in range(3):
@@ -170,7 +172,8 @@ def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
     from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
     from services.colocated.engine import ColocatedEngine
     common = CommonSettings()
-    engine = ColocatedEngine(CONFIG, ColocatedSettings(common, DecodeSettings(common, num_blocks=64),
+    from pdserve.models.loading import load_served_model
+    engine = ColocatedEngine(load_served_model("tinygpt"), ColocatedSettings(common, DecodeSettings(common, num_blocks=64),
                                                        PrefillSettings(common)))
     handle = engine.submit(GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)),
                            lambda emission: None)

@@ -80,7 +80,7 @@ def test_stop_string_ends_generation_without_it(stack):
 BAD_REQUESTS = {
     "empty prompt": (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)), "empty"),
     "both prompt and ids": (pb.GenerateRequest(prompt="a", prompt_token_ids=[1],
-                                               sampling=pb.SamplingParams(max_tokens=4)), "not both"),
+                                               sampling=pb.SamplingParams(max_tokens=4)), "not several"),
     "token id too large": (pb.GenerateRequest(prompt_token_ids=[1, 99999],
                                               sampling=pb.SamplingParams(max_tokens=4)),
                            "outside the vocabulary"),

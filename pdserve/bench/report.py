@@ -31,7 +31,7 @@ METRICS = (("ttft_seconds", "TTFT"), ("tpot_seconds", "TPOT"), ("itl_seconds", "
 # ---------------------------------------------------------------------------------- conditions
 
 def parameter_count(c: ModelConfig) -> int:
-    """TinyGPT's parameters, counted from its shapes (pdserve.core.model.TinyGPT): token and
+    """TinyGPT's parameters, counted from its shapes (pdserve.models.tinygpt.TinyGPT): token and
     position embeddings, per block two LayerNorms (weight and bias), qkv, proj, up and down
     (no biases), the final LayerNorm and an untied output head."""
     d = c.d_model

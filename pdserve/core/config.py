@@ -1,38 +1,62 @@
-"""Model configuration: the one set of numbers every service must agree on."""
+"""Model configuration: the one set of numbers every service must agree on.
+
+Torch-free, so the router (which never imports torch) can validate requests against it. The
+defaults describe TinyGPT, the small random-weight test model; checkpoints fill every field from
+their config.json (pdserve.models.checkpoint).
+"""
 
 from dataclasses import dataclass
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """TinyGPT: a decoder-only transformer with random weights drawn from `seed`.
+    """The shapes of a decoder-only transformer, and the dtype its weights and KV are held in.
 
-    The defaults give 5.91M parameters, the size of the chapter's reference model, with a byte-level
-    vocabulary (256 bytes + end-of-sequence) and a 4096-token context.
+    TinyGPT's defaults give 5.91M parameters, the size of the chapter's reference model, with a
+    byte-level vocabulary (256 bytes + end-of-sequence) and a 4096-token context.
     """
 
+    architecture: str = "TinyGPT"
     vocab_size: int = 257
     d_model: int = 256
     n_layers: int = 6
     n_heads: int = 4
     d_ff: int = 1024
     max_context: int = 4096
-    seed: int = 1234
     dtype: str = "float32"
+    seed: int = 1234  # TinyGPT only: its random weights are drawn from this seed
+    n_kv_heads: int = 0  # 0: as many as query heads (no grouped-query attention)
+    head_size: int = 0  # 0: d_model // n_heads
+    rope_theta: float = 10000.0
+    # Llama 3's frequency scaling as sorted (key, value) pairs, hashable; () for plain RoPE.
+    rope_scaling: tuple = ()
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    attention_bias: bool = False  # biases on the q, k and v projections (Qwen2; Llama's option)
+    output_bias: bool = False  # a bias on the attention output projection (Llama's option)
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPE_SIZES)}")
+        if not self.head_size and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
-        if self.dtype != "float32":  # the wire format knows others; the model computes in fp32
-            raise ValueError(f"dtype {self.dtype!r}: only float32 is implemented")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"{self.n_heads} query heads cannot share {self.kv_heads} KV heads "
+                             f"evenly")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_context"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
-        return self.n_heads
+        return self.n_kv_heads or self.n_heads
 
     @property
     def bytes_per_element(self) -> int:
@@ -42,6 +66,3 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
         return 2 * self.n_layers * self.kv_heads * self.head_dim * self.bytes_per_element
-
-
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}

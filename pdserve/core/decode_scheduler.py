@@ -10,12 +10,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.core.model import TinyGPT
 from pdserve.core.paged_cache import PagedCache
 from pdserve.core.sampling import sample
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.request import GenerateSpec
 from pdserve.core.sequence import Sequence, Sink
+from pdserve.models.protocol import CausalLM
+from pdserve.models.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class DecodeStepStats:
 
 
 class DecodeScheduler:
-    def __init__(self, model: TinyGPT, cache: PagedCache, max_batch: int) -> None:
-        self.model, self.cache, self.max_batch = model, cache, max_batch
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, cache: PagedCache, max_batch: int
+                 ) -> None:
+        self.model, self.tokenizer, self.cache, self.max_batch = model, tokenizer, cache, max_batch
         self.running: list[Sequence] = []
         self._joining: deque[Sequence] = deque()
         self._lock = threading.Lock()
@@ -35,7 +37,7 @@ class DecodeScheduler:
               ) -> Sequence:
         """A sequence whose prompt KV is in `table`, beginning with prefill's first token; it
         joins at the next step, unless that token already ended it (then its blocks go back)."""
-        seq = Sequence(spec, table, sink)
+        seq = Sequence(spec, table, sink, self.tokenizer)
         seq.append(first_token)
         if seq.done:
             table.release()

@@ -31,6 +31,7 @@ class ChunkHeader:
     dtype: str
     shape: tuple[int, ...]
     crc32: int
+    model_fingerprint: str = ""
 
 
 def tokens_per_chunk(config: ModelConfig, max_chunk_bytes: int) -> int:
@@ -45,7 +46,8 @@ def encode_layer(k: torch.Tensor, v: torch.Tensor, tokens_per: int
     for start in range(0, k.shape[0], tokens_per):
         end = min(start + tokens_per, k.shape[0])
         both = torch.stack((k[start:end], v[start:end]))  # one copy into [2, n, heads, dim]
-        pieces.append((start, end, both.numpy().tobytes()))
+        # Raw bytes through a uint8 view: numpy has no bfloat16.
+        pieces.append((start, end, both.view(torch.uint8).numpy().tobytes()))
     return pieces
 
 
@@ -63,9 +65,13 @@ def prompt_digest(token_ids) -> int:
     return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
 
 
-def decode_chunk(header: ChunkHeader, payload: bytes, config: ModelConfig, prompt_len: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks a chunk against the model and the prompt; returns read-only K, V views."""
+def decode_chunk(header: ChunkHeader, payload: bytes, config: ModelConfig, prompt_len: int,
+                 model_fingerprint: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks a chunk against the model (and its fingerprint, when given) and the prompt; returns
+    read-only K, V views."""
+    if model_fingerprint and header.model_fingerprint != model_fingerprint:
+        raise KvRejected(f"chunk computed by model {header.model_fingerprint or '(unnamed)'}, but "
+                         f"this decode serves model {model_fingerprint}")
     if header.dtype != config.dtype:
         raise KvRejected(f"chunk dtype {header.dtype} but the model's KV is {config.dtype}")
     if not 0 <= header.layer < config.n_layers:

@@ -4,13 +4,13 @@ Text that could be the start of a stop string is held back until it is clear tha
 so a stop string never reaches the client, even one spread over many tokens.
 """
 
-from pdserve.core.tokenizer import IncrementalDecoder
+from pdserve.models.tokenizer import Detokenizer
 
 
 class OutputText:
-    def __init__(self, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, decoder: Detokenizer, stop: tuple[str, ...] = ()) -> None:
         self._stop = stop
-        self._decoder = IncrementalDecoder()
+        self._decoder = decoder
         self._text = ""
         self._sent = 0
         self.stopped = False

@@ -4,6 +4,7 @@ import torch
 
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.config import ModelConfig
+from pdserve.models import attention
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -26,7 +27,7 @@ class PagedCache:
 
 
 class DecodeStepKv:
-    """Implements model.PagedKv for one batched decode step.
+    """Implements pdserve.models.protocol.PagedKv for one batched decode step.
 
     Sequence i has lengths[i] tokens cached before the step; the step writes its new token at
     position lengths[i] and attends over positions [0, lengths[i]].
@@ -44,11 +45,10 @@ class DecodeStepKv:
         self._gather = torch.tensor(gather_slots, dtype=torch.long)
         self.mask = torch.arange(width)[None, :] <= torch.tensor(lengths)[:, None]
 
-    def write_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
         self._cache.kv[layer, 0].index_copy_(0, self._new, k)
         self._cache.kv[layer, 1].index_copy_(0, self._new, v)
-
-    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         keys = self._cache.kv[layer, 0][self._gather]
         values = self._cache.kv[layer, 1][self._gather]
-        return keys, values, self.mask
+        return attention.masked_batch(q, keys, values, self.mask)

@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from pdserve.core.model import TinyGPT
 from pdserve.core.request import GenerateSpec
 from pdserve.core.sampling import sample
+from pdserve.models.protocol import CausalLM
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PrefillJob:
 
 
 class PrefillScheduler:
-    def __init__(self, model: TinyGPT, max_batch_size: int, max_batch_tokens: int) -> None:
+    def __init__(self, model: CausalLM, max_batch_size: int, max_batch_tokens: int) -> None:
         self.model = model
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self._waiting: deque[PrefillJob] = deque()

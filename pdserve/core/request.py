@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass, field
 
-from pdserve.core import tokenizer
 from pdserve.core.config import ModelConfig
 
 MAX_STOP_STRINGS = 8
@@ -45,13 +44,14 @@ class GenerateSpec:
         return self.prompt_len + self.sampling.max_tokens
 
 
-def prompt_tokens(prompt: str, prompt_token_ids: list[int]) -> tuple[int, ...]:
-    """Exactly one of text or token ids; returns the token ids."""
-    if prompt and prompt_token_ids:
-        raise InvalidRequest("give either prompt or prompt_token_ids, not both")
-    if not prompt and not prompt_token_ids:
-        raise InvalidRequest("the prompt is empty: give prompt (text) or prompt_token_ids")
-    return tuple(tokenizer.encode(prompt) if prompt else prompt_token_ids)
+def one_prompt(prompt: str, prompt_token_ids: list[int], messages: list) -> None:
+    """Exactly one of text, token ids or chat messages."""
+    given = sum(1 for p in (prompt, prompt_token_ids, messages) if p)
+    if given > 1:
+        raise InvalidRequest("give one of prompt, prompt_token_ids or messages, not several")
+    if not given:
+        raise InvalidRequest("the prompt is empty: give prompt (text), prompt_token_ids or "
+                             "messages (a chat)")
 
 
 def validate(spec: GenerateSpec, config: ModelConfig) -> GenerateSpec:

@@ -13,7 +13,7 @@ from typing import Callable
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.output_text import OutputText
 from pdserve.core.request import GenerateSpec
-from pdserve.core.tokenizer import EOS_TOKEN_ID
+from pdserve.models.tokenizer import Tokenizer
 
 
 class FinishReason(Enum):
@@ -40,6 +40,7 @@ class Sequence:
     spec: GenerateSpec
     table: BlockTable
     sink: Sink
+    tokenizer: Tokenizer
     tokens: list[int] = field(default_factory=list)
     generated: int = 0
     finish_reason: FinishReason | None = None
@@ -47,7 +48,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_token_ids)
-        self._text = OutputText(self.spec.sampling.stop)
+        self._text = OutputText(self.tokenizer.detokenizer(self.spec.prompt_token_ids),
+                                self.spec.sampling.stop)
 
     @property
     def done(self) -> bool:
@@ -75,7 +77,7 @@ class Sequence:
     def _finish_reason(self, token_id: int) -> FinishReason | None:
         if self._text.stopped:
             return FinishReason.STOP
-        if token_id == EOS_TOKEN_ID and not self.spec.sampling.ignore_eos:
+        if token_id in self.tokenizer.eos_token_ids and not self.spec.sampling.ignore_eos:
             return FinishReason.EOS
         if self.generated >= self.spec.sampling.max_tokens:
             return FinishReason.LENGTH

@@ -2,8 +2,10 @@
 
 import uuid
 
-from pdserve.core.request import GenerateSpec, SamplingSpec, prompt_tokens
+from pdserve.core.request import GenerateSpec, SamplingSpec, one_prompt
 from pdserve.core.sequence import FinishReason
+from pdserve.models.loading import ServedModel
+from pdserve.models.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import pdserve_pb2 as pb
 
 FINISH_TO_PB = {
@@ -25,15 +27,30 @@ def sampling_to_pb(s: SamplingSpec) -> pb.SamplingParams:
         seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos)
 
 
-def spec_from_generate(request: pb.GenerateRequest) -> GenerateSpec:
+def spec_from_generate(request: pb.GenerateRequest, tokenizer: Tokenizer) -> GenerateSpec:
     """The client's request as a spec (not yet validated); assigns a request id when empty.
 
-    Raises InvalidRequest when prompt and prompt_token_ids are both or neither given.
+    Raises InvalidRequest unless exactly one of prompt, prompt_token_ids and messages is given,
+    or when the chat cannot be rendered.
     """
-    tokens = prompt_tokens(request.prompt, list(request.prompt_token_ids))
-    return GenerateSpec(request.request_id or uuid.uuid4().hex, tokens,
+    one_prompt(request.prompt, list(request.prompt_token_ids), list(request.messages))
+    if request.messages:
+        tokens = tokenizer.render_chat([ChatMessage(m.role, m.content) for m in request.messages])
+    elif request.prompt:
+        tokens = tokenizer.encode(request.prompt)
+    else:
+        tokens = list(request.prompt_token_ids)
+    return GenerateSpec(request.request_id or uuid.uuid4().hex, tuple(tokens),
                         sampling_from_pb(request.sampling))
 
 
 def spec_from_internal(request_id: str, token_ids, sampling: pb.SamplingParams) -> GenerateSpec:
     return GenerateSpec(request_id, tuple(token_ids), sampling_from_pb(sampling))
+
+
+def model_info_to_pb(served: ServedModel) -> pb.ModelInfo:
+    c = served.config
+    return pb.ModelInfo(name=served.name, architecture=c.architecture, dtype=c.dtype,
+                        fingerprint=served.fingerprint, vocab_size=c.vocab_size,
+                        max_context=c.max_context, num_layers=c.n_layers, num_kv_heads=c.kv_heads,
+                        head_dim=c.head_dim, kv_bytes_per_token=c.kv_bytes_per_token)

@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockPool, BlockTable
-from pdserve.core.config import ModelConfig
 from pdserve.core.decode_scheduler import DecodeScheduler
 from pdserve.core.engine_loop import EngineLoop
-from pdserve.core.model import TinyGPT
 from pdserve.core.paged_cache import PagedCache
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import GenerateSpec
 from pdserve.core.sequence import Emission, Sequence, Sink
+from pdserve.models.loading import ServedModel
 from pdserve.settings import ColocatedSettings
 
 
@@ -34,13 +33,12 @@ class Handle:
 
 
 class ColocatedEngine:
-    def __init__(self, config: ModelConfig, settings: ColocatedSettings) -> None:
-        model = TinyGPT(config).eval()
+    def __init__(self, served: ServedModel, settings: ColocatedSettings) -> None:
         d, p = settings.decode, settings.prefill
         self.pool = BlockPool(d.num_blocks, d.block_size)
-        self.cache = PagedCache(config, d.num_blocks, d.block_size)
-        self.prefill = PrefillScheduler(model, p.max_batch_size, p.max_batch_tokens)
-        self.decode = DecodeScheduler(model, self.cache, d.max_batch)
+        self.cache = PagedCache(served.config, d.num_blocks, d.block_size)
+        self.prefill = PrefillScheduler(served.model, p.max_batch_size, p.max_batch_tokens)
+        self.decode = DecodeScheduler(served.model, served.tokenizer, self.cache, d.max_batch)
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self.decode.fail_all)
 
     def has_work(self) -> bool:

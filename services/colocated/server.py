@@ -9,9 +9,9 @@ import grpc
 from pdserve import metrics
 
 from pdserve.core.block_pool import NeverFits, PoolExhausted
-from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
+from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert
 from pdserve.rpc.server import (Admission, Server, admitted, emission_queue, instance_name,
                                 run_until_signalled)
@@ -28,16 +28,17 @@ QUEUE_TIMEOUT_SECONDS = 30.0
 
 
 class ColocatedServicer(pb_grpc.RouterServicer):
-    def __init__(self, config: ModelConfig, settings: ColocatedSettings, instance: str) -> None:
-        self.config, self.instance = config, instance
-        self.engine = ColocatedEngine(config, settings)
+    def __init__(self, served: ServedModel, settings: ColocatedSettings, instance: str) -> None:
+        self.served, self.config, self.instance = served, served.config, instance
+        self.engine = ColocatedEngine(served, settings)
         self.admission = Admission()
 
     @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
         try:
-            spec = validate(convert.spec_from_generate(request), self.config)
+            spec = validate(convert.spec_from_generate(request, self.served.tokenizer),
+                            self.config)
         except InvalidRequest as exc:
             metrics.record_request("colocated", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -79,6 +80,9 @@ class ColocatedServicer(pb_grpc.RouterServicer):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        return convert.model_info_to_pb(self.served)
+
     def _finish(self, response: pb.GenerateResponse, emission: Emission, handle: Handle,
                 received: float, first_token_at: float) -> None:
         seq, timing = handle.sequence, handle.timing
@@ -96,10 +100,10 @@ class ColocatedServicer(pb_grpc.RouterServicer):
             prefill_instance=self.instance, decode_instance=self.instance, attempts=1))
 
 
-async def serve(config: ModelConfig, settings: ColocatedSettings) -> None:
+async def serve(served: ServedModel, settings: ColocatedSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     instance = settings.common.instance or instance_name("colocated", settings.common.host, server.port)
-    servicer = ColocatedServicer(config, settings, instance)
+    servicer = ColocatedServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.watch_pool("colocated", lambda: servicer.engine.pool.available_blocks,
                        settings.decode.num_blocks, lambda: servicer.engine.decode.size)

@@ -5,12 +5,11 @@ import logging
 from pdserve import metrics
 
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.config import ModelConfig
 from pdserve.core.decode_scheduler import DecodeScheduler
 from pdserve.core.engine_loop import EngineLoop
-from pdserve.core.model import TinyGPT
 from pdserve.core.paged_cache import PagedCache
 from pdserve.core.sequence import Sequence
+from pdserve.models.loading import ServedModel
 from pdserve.settings import DecodeSettings
 from services.decode.leases import Lease
 
@@ -18,11 +17,12 @@ log = logging.getLogger(__name__)
 
 
 class DecodeEngine:
-    def __init__(self, config: ModelConfig, settings: DecodeSettings) -> None:
-        self.config = config
+    def __init__(self, served: ServedModel, settings: DecodeSettings) -> None:
+        self.config = served.config
         self.pool = BlockPool(settings.num_blocks, settings.block_size)
-        self.cache = PagedCache(config, settings.num_blocks, settings.block_size)
-        self.scheduler = DecodeScheduler(TinyGPT(config).eval(), self.cache, settings.max_batch)
+        self.cache = PagedCache(self.config, settings.num_blocks, settings.block_size)
+        self.scheduler = DecodeScheduler(served.model, served.tokenizer, self.cache,
+                                         settings.max_batch)
         self.faults = settings.common.faults
         self.steps = 0
         self.loop = EngineLoop("decode-engine", self._step,

@@ -11,9 +11,9 @@ import grpc
 
 from pdserve import metrics
 from pdserve.core.block_pool import NeverFits, PoolExhausted
-from pdserve.core.config import ModelConfig
 from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_digest
 from pdserve.core.request import InvalidRequest, validate
+from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
 from pdserve.rpc import convert
 from pdserve.rpc.server import (Admission, Server, admitted, emission_queue, instance_name,
                                 run_until_signalled)
@@ -31,18 +31,22 @@ EXPIRY_CHECK_SECONDS = 0.1
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
-    def __init__(self, config: ModelConfig, settings: DecodeSettings, instance: str) -> None:
-        self.config, self.settings, self.instance = config, settings, instance
-        self.engine = DecodeEngine(config, settings)
-        self.leases = LeaseTable(self.engine.pool, config)
+    def __init__(self, served: ServedModel, settings: DecodeSettings, instance: str) -> None:
+        self.served, self.config = served, served.config
+        self.settings, self.instance = settings, instance
+        self.engine = DecodeEngine(served, settings)
+        self.leases = LeaseTable(self.engine.pool, self.config)
         self.admission = Admission()
         self.chunks_received = 0
 
     @admitted
     async def Generate(self, request: pb.DecodeRequest, context):
         try:
+            check_same_model(self.served, request.model_fingerprint, "the lease request")
             spec = validate(convert.spec_from_internal(
                 request.request_id, request.prompt_token_ids, request.sampling), self.config)
+        except ModelMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         events, sink = emission_queue()
@@ -132,9 +136,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         payload = chunk.data  # read once: every access copies
         header = ChunkHeader(chunk.index, chunk.layer, chunk.token_start, chunk.token_end,
                              DTYPE_FROM_PB.get(chunk.dtype, "unspecified"), tuple(chunk.shape),
-                             chunk.crc32)
+                             chunk.crc32, chunk.model_fingerprint)
         lease.assembly.check(header)
-        k, v = decode_chunk(header, payload, self.config, lease.spec.prompt_len)
+        k, v = decode_chunk(header, payload, self.config, lease.spec.prompt_len,
+                            self.served.fingerprint)
         lease.table.ensure(header.token_end)
         self.engine.cache.write(header.layer, lease.table.slots(header.token_start,
                                                                 header.token_end), k, v)
@@ -178,6 +183,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                             running=self.engine.scheduler.size,
                             pending_leases=self.leases.pending, instance=self.instance)
 
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        return convert.model_info_to_pb(self.served)
+
     async def expire_leases_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_CHECK_SECONDS)
@@ -186,10 +194,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 log.warning("%d lease(s) expired uncommitted; their blocks are free again", expired)
 
 
-async def serve(config: ModelConfig, settings: DecodeSettings) -> None:
+async def serve(served: ServedModel, settings: DecodeSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     instance = settings.common.instance or instance_name("decode", settings.common.host, server.port)
-    servicer = DecodeServicer(config, settings, instance)
+    servicer = DecodeServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.watch_pool("decode", lambda: servicer.engine.pool.available_blocks,
                        settings.num_blocks, lambda: servicer.engine.scheduler.size)

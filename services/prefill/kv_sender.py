@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from pdserve.core.config import ModelConfig
 from pdserve.core.kv_wire import crc32, digest, encode_layer, prompt_digest, tokens_per_chunk
 from pdserve.core.request import GenerateSpec
 from pdserve.faults import Faults
+from pdserve.models.loading import ServedModel
 from pdserve.v1 import pdserve_pb2 as pb
 
 DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
@@ -22,10 +22,11 @@ DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
 
 class KvSender:
     def __init__(self, loop: asyncio.AbstractEventLoop, lease_id: str, spec: GenerateSpec,
-                 config: ModelConfig, chunk_bytes: int, faults: Faults) -> None:
-        self._loop, self.lease_id, self._spec, self._config = loop, lease_id, spec, config
+                 served: ServedModel, chunk_bytes: int, faults: Faults) -> None:
+        self._loop, self.lease_id, self._spec = loop, lease_id, spec
+        self._config, self._fingerprint = served.config, served.fingerprint
         self._faults = faults
-        self._tokens_per_chunk = tokens_per_chunk(config, chunk_bytes)
+        self._tokens_per_chunk = tokens_per_chunk(self._config, chunk_bytes)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._crcs: list[int] = []
         self.bytes = 0
@@ -66,7 +67,7 @@ class KvSender:
                 lease_id=self.lease_id, index=len(self._crcs), layer=layer, token_start=start,
                 token_end=end, dtype=DTYPE_TO_PB[self._config.dtype],
                 shape=[2, end - start, self._config.kv_heads, self._config.head_dim],
-                data=payload, crc32=crc)
+                data=payload, crc32=crc, model_fingerprint=self._fingerprint)
             self._crcs.append(crc)
             self.bytes += len(payload)
             yield chunk

@@ -8,11 +8,10 @@ import grpc
 
 from pdserve import metrics
 
-from pdserve.core.config import ModelConfig
 from pdserve.core.engine_loop import EngineLoop
-from pdserve.core.model import TinyGPT
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import InvalidRequest, validate
+from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
 from pdserve.rpc import convert
 from pdserve.rpc.server import (CHANNEL_OPTIONS, Admission, Server, instance_name,
                                 run_until_signalled)
@@ -28,9 +27,10 @@ MAX_DECODE_CHANNELS = 64
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, config: ModelConfig, settings: PrefillSettings, instance: str) -> None:
-        self.config, self.settings, self.instance = config, settings, instance
-        self.scheduler = PrefillScheduler(TinyGPT(config).eval(), settings.max_batch_size,
+    def __init__(self, served: ServedModel, settings: PrefillSettings, instance: str) -> None:
+        self.served, self.config = served, served.config
+        self.settings, self.instance = settings, instance
+        self.scheduler = PrefillScheduler(served.model, settings.max_batch_size,
                                           settings.max_batch_tokens)
         self.loop = EngineLoop("prefill-engine", self._step,
                                lambda: self.scheduler.has_work, lambda msg: None)
@@ -51,15 +51,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         try:
+            check_same_model(self.served, request.model_fingerprint, "the prefill request")
             spec = validate(convert.spec_from_internal(
                 request.request_id, request.prompt_token_ids, request.sampling), self.config)
+        except ModelMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.lease_id or not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "lease_id and decode_address are required")
         loop = asyncio.get_running_loop()
-        sender = KvSender(loop, request.lease_id, spec, self.config, self.settings.chunk_bytes,
+        sender = KvSender(loop, request.lease_id, spec, self.served, self.settings.chunk_bytes,
                           self.settings.common.faults)
         done: asyncio.Future = loop.create_future()
         job = PrefillJob(spec, sender.on_layer_kv,
@@ -96,6 +99,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             handoff_seconds=handoff, prefill_seconds=timing.prefill_seconds,
             queue_seconds=timing.queue_seconds, num_chunks=sender.num_chunks,
             instance=self.instance, handoff_exposed_seconds=now - timing.finished_at)
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        return convert.model_info_to_pb(self.served)
 
     def _stub(self, address: str) -> pb_grpc.DecodeStub:
         if address not in self._decode_stubs:
@@ -134,10 +140,10 @@ def _push_status(code: grpc.StatusCode) -> grpc.StatusCode:
     return code if code == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.ABORTED
 
 
-async def serve(config: ModelConfig, settings: PrefillSettings) -> None:
+async def serve(served: ServedModel, settings: PrefillSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     instance = settings.common.instance or instance_name("prefill", settings.common.host, server.port)
-    servicer = PrefillServicer(config, settings, instance)
+    servicer = PrefillServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)

@@ -2,7 +2,8 @@
 
 A target "host:port" whose host resolves to several addresses (a scaled compose service) yields
 one instance per address; targets are re-resolved on every refresh, so replicas that appear or
-vanish are picked up.
+vanish are picked up. An instance that serves another model than the router's is never used: its
+KV would decode into fluent garbage.
 """
 
 import asyncio
@@ -17,6 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc.server import CHANNEL_OPTIONS
+from pdserve.v1 import pdserve_pb2 as pb
+from services.router.errors import RouterError
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +32,28 @@ class Instance:
     channel: grpc.aio.Channel
     stub: object
     healthy: bool = False
+    model_fingerprint: str = ""  # as the instance reported it, once asked
+    mismatch: str = ""  # why the instance may not be used, when its model differs
 
 
 class BackendSet:
-    def __init__(self, role: str, targets: list[str], make_stub: Callable[[grpc.aio.Channel], object]):
+    def __init__(self, role: str, targets: list[str], make_stub: Callable[[grpc.aio.Channel], object],
+                 model_fingerprint: str, model_identity: str):
         self.role, self.targets, self._make_stub = role, targets, make_stub
+        self.model_fingerprint, self._model_identity = model_fingerprint, model_identity
         self.instances: dict[str, Instance] = {}
         self._turn = itertools.count()
 
     def ordered(self, avoid: set[str] = frozenset()) -> list[Instance]:
         """Healthy instances, rotated so that load spreads round-robin; those in `avoid` (which
-        just failed this request) last. Unhealthy ones only when no instance is healthy."""
-        pool = [i for i in self.instances.values() if i.healthy] or list(self.instances.values())
+        just failed this request) last. Unhealthy ones only when no instance is healthy. Raises
+        RouterError when every instance serves another model."""
+        same_model = [i for i in self.instances.values() if not i.mismatch]
+        if not same_model and self.instances:
+            mismatch = next(iter(self.instances.values())).mismatch
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"no {self.role} instance serves this router's model: {mismatch}")
+        pool = [i for i in same_model if i.healthy] or same_model
         if not pool:
             return []
         start = next(self._turn) % len(pool)
@@ -78,10 +91,29 @@ class BackendSet:
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             healthy = False
+        if healthy and not instance.model_fingerprint:
+            await self._check_model(instance)
+        healthy = healthy and bool(instance.model_fingerprint) and not instance.mismatch
         if healthy != instance.healthy:
             log.info("%s instance %s is %s", self.role, instance.address,
                      "up" if healthy else "down")
         instance.healthy = healthy
+
+    async def _check_model(self, instance: Instance) -> None:
+        """Asks once which model the instance serves; a different one is never used."""
+        try:
+            info = await instance.stub.GetModelInfo(pb.ModelInfoRequest(),
+                                                    timeout=HEALTH_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s instance %s did not say which model it serves: %s", self.role,
+                        instance.address, exc.code().name)
+            return
+        instance.model_fingerprint = info.fingerprint
+        if info.fingerprint != self.model_fingerprint:
+            instance.mismatch = (f"{self.role} {instance.address} serves {info.name} "
+                                 f"({info.architecture}, {info.dtype}, fingerprint "
+                                 f"{info.fingerprint}), the router {self._model_identity}")
+            log.error("refusing %s: it serves another model", instance.mismatch)
 
     async def close(self) -> None:
         for instance in self.instances.values():

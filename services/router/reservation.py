@@ -112,7 +112,8 @@ class ReservationLine:
         spec = inflight.spec
         call = decode.stub.Generate(pb.DecodeRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
-            sampling=convert.sampling_to_pb(spec.sampling)), timeout=inflight.remaining())
+            sampling=convert.sampling_to_pb(spec.sampling),
+            model_fingerprint=self._decodes.model_fingerprint), timeout=inflight.remaining())
         try:
             # Bounded: a decode instance that accepts the call but stalls must not hold up the
             # line (the head of the line waits here).

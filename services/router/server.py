@@ -17,8 +17,8 @@ import time
 import grpc
 
 from pdserve import metrics
-from pdserve.core.config import ModelConfig
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
+from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert
 from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
 from pdserve.settings import RouterSettings
@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 1.0
 RETRY_BACKOFF_SECONDS = 0.05
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, config: ModelConfig, settings: RouterSettings) -> None:
-        self.config, self.settings = config, settings
-        self.prefills = BackendSet("prefill", settings.prefill, pb_grpc.PrefillStub)
-        self.decodes = BackendSet("decode", settings.decode, pb_grpc.DecodeStub)
+    def __init__(self, served: ServedModel, settings: RouterSettings) -> None:
+        self.served, self.config, self.settings = served, served.config, settings
+        self.prefills = BackendSet("prefill", settings.prefill, pb_grpc.PrefillStub,
+                                   served.fingerprint, served.identity)
+        self.decodes = BackendSet("decode", settings.decode, pb_grpc.DecodeStub,
+                                  served.fingerprint, served.identity)
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
 
@@ -44,7 +46,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
         try:
-            spec = validate(convert.spec_from_generate(request), self.config)
+            spec = validate(convert.spec_from_generate(request, self.served.tokenizer),
+                            self.config)
         except InvalidRequest as exc:
             metrics.record_request("router", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -89,7 +92,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         prefill_call = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
-            decode_address=reservation.decode.address), timeout=inflight.remaining()))
+            decode_address=reservation.decode.address,
+            model_fingerprint=self.served.fingerprint), timeout=inflight.remaining()))
         # A prefill that fails before the commit ends the token stream too, so the relay below
         # never waits forever; after the commit, decode owns the sequence and carries on.
         prefill_call.add_done_callback(
@@ -171,6 +175,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                 decode_instance=reservation.lease.instance, attempts=attempt,
                 handoff_exposed_seconds=reply.handoff_exposed_seconds))
 
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        return convert.model_info_to_pb(self.served)
+
     async def refresh_forever(self, server: Server) -> None:
         """Keeps the instance lists and the router's own health status current."""
         serving = None
@@ -200,9 +207,9 @@ def _failed(call: asyncio.Future) -> bool:
     return call.done() and not call.cancelled() and call.exception() is not None
 
 
-async def serve(config: ModelConfig, settings: RouterSettings) -> None:
+async def serve(served: ServedModel, settings: RouterSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    servicer = RouterServicer(config, settings)
+    servicer = RouterServicer(served, settings)
     pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)

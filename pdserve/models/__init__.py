@@ -1,0 +1,1 @@
+"""Models: the seam the engines use, the architectures, checkpoint loading and tokenizers."""

@@ -1,0 +1,43 @@
+"""Attention over unpadded prompts and over one sequence's cache, with grouped-query attention.
+
+Shapes are token-major, as the KV cache stores them: q [tokens, heads, dim], k/v [tokens,
+kv_heads, dim]. When kv_heads < heads each KV head serves heads // kv_heads query heads
+(scaled_dot_product_attention's enable_gqa does that without copying K and V).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """q at positions offset.., k/v from position 0; -> [tq, heads, dim]."""
+    tq, tk = q.shape[0], k.shape[0]
+    gqa = q.shape[1] != k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if offset == 0 and tq == tk:  # a whole prompt: the fused causal kernel, no T x T mask
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                              enable_gqa=gqa).transpose(0, 1)
+    allowed = torch.arange(tk)[None, :] <= torch.arange(offset, offset + tq)[:, None]
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed,
+                                          enable_gqa=gqa).transpose(0, 1)
+
+
+def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  lengths: list[int]) -> torch.Tensor:
+    """Causal attention within each prompt of a packed batch."""
+    out, start = [], 0
+    for n in lengths:
+        s = slice(start, start + n)
+        out.append(causal(q[s], k[s], v[s], 0))
+        start += n
+    return torch.cat(out)
+
+
+def masked_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """q [batch, heads, dim]; k/v [batch, ctx, kv_heads, dim]; mask [batch, ctx] -> [batch, heads,
+    dim]."""
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+        enable_gqa=q.shape[1] != k.shape[2])
+    return out[:, :, 0, :]

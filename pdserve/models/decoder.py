@@ -1,0 +1,64 @@
+"""The three ways to run a decoder-only transformer, written once for every architecture.
+
+An architecture subclasses DecoderOnly and provides:
+  embed(tokens, positions)  -> x [tokens, d_model]
+  rotary(positions)         -> whatever its layers need to place tokens (RoPE's cos/sin), or None
+  layers                    each with qkv(x, rotary) -> q, k, v and finish(x, attn) -> x
+  head(x)                   -> logits
+"""
+
+import torch
+from torch import nn
+
+from pdserve.models import attention
+from pdserve.models.protocol import ContiguousKv, LayerKvCallback, PagedKv
+
+
+class DecoderOnly(nn.Module):
+    @torch.inference_mode()
+    def prefill_packed(self, prompts: list[list[int]], on_layer: LayerKvCallback) -> torch.Tensor:
+        lengths = [len(p) for p in prompts]
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        x, rotary = self.embed(tokens, positions), self.rotary(positions)
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, rotary)
+            on_layer(index, k, v)
+            x = layer.finish(x, attention.packed_causal(q, k, v, lengths))
+        last = torch.tensor(lengths).cumsum(0) - 1
+        return self.logits(x[last])
+
+    @torch.inference_mode()
+    def decode_paged(self, tokens: list[int], positions: list[int], cache: PagedKv
+                     ) -> torch.Tensor:
+        pos = torch.tensor(positions, dtype=torch.long)
+        x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, rotary)
+            x = layer.finish(x, cache.attend(index, q, k, v))
+        return self.logits(x)
+
+    @torch.inference_mode()
+    def forward_contiguous(self, tokens: list[int], cache: ContiguousKv) -> torch.Tensor:
+        start = cache[0][0].shape[0] if cache else 0
+        pos = torch.arange(start, start + len(tokens))
+        x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, rotary)
+            if len(cache) <= index:
+                cache.append((k[:0], v[:0]))
+            keys, values = torch.cat([cache[index][0], k]), torch.cat([cache[index][1], v])
+            cache[index] = (keys, values)
+            x = layer.finish(x, attention.causal(q, keys, values, start))
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 whatever the weights' dtype, so sampling sees the same numbers everywhere."""
+        return self.head(x).float()
+
+    def rotary(self, positions: torch.Tensor):
+        return None
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,91 @@
+"""One place that turns the `--model` and `--dtype` settings into a served model.
+
+`--model` is a built-in name (tinygpt, smollm2-135m-instruct), a .gguf file (converted once into a
+cached checkpoint directory) or a checkpoint directory. Every service loads the config, tokenizer
+and fingerprint; only the services that run the model build it (`weights=True`). The router never
+does, and this module imports torch only to build.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.core.config import ModelConfig
+from pdserve.models import checkpoint
+from pdserve.models.tokenizer import ByteTokenizer, Tokenizer
+
+TINYGPT = "tinygpt"
+HASH_BLOCK = 1 << 20
+
+
+@dataclass
+class ServedModel:
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str  # architecture, shapes, dtype and a hash of the weights
+    source: Path | None = None  # the checkpoint directory; None for TinyGPT
+    model: object = None  # the built model (a CausalLM) where weights were asked for
+
+    @property
+    def identity(self) -> str:
+        """How errors name this model."""
+        return f"{self.name} ({self.config.architecture}, {self.config.dtype}, " \
+               f"fingerprint {self.fingerprint})"
+
+
+def load_served_model(ref: str, dtype: str = "", weights: bool = True) -> ServedModel:
+    served = _describe(ref, dtype)
+    if weights:
+        from pdserve.models.registry import build
+        served.model = build(served.config, served.source)
+    return served
+
+
+def _describe(ref: str, dtype: str) -> ServedModel:
+    if ref.lower() == TINYGPT:
+        config = ModelConfig(dtype=dtype or "float32")
+        return ServedModel(TINYGPT, config, ByteTokenizer(), fingerprint(config, []))
+    directory = _checkpoint_dir(ref)
+    config = checkpoint.model_config(directory, dtype)
+    files = checkpoint.weight_files(directory)
+    name = Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() \
+        else ref
+    return ServedModel(name, config, checkpoint.tokenizer(directory, config),
+                       fingerprint(config, files), directory)
+
+
+def _checkpoint_dir(ref: str) -> Path:
+    from pdserve.models import gguf_import
+    if ref.lower() == gguf_import.SMOLLM2_NAME:
+        return gguf_import.ensure_converted(gguf_import.smollm2_gguf_path())
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {ref}: no such GGUF file")
+        return gguf_import.ensure_converted(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {ref}: not a checkpoint directory, a .gguf file or a "
+                                f"built-in name ({TINYGPT}, {gguf_import.SMOLLM2_NAME})")
+    return path
+
+
+def fingerprint(config: ModelConfig, weight_files: list[Path]) -> str:
+    """16 hex digits of SHA-256 over the config (shapes, dtype) and the weight files' bytes."""
+    digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+    for path in weight_files:
+        with open(path, "rb") as f:
+            while block := f.read(HASH_BLOCK):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+class ModelMismatch(Exception):
+    """A peer or a request names another model than the one this service serves."""
+
+
+def check_same_model(served: ServedModel, fingerprint: str, what: str) -> None:
+    if fingerprint != served.fingerprint:
+        raise ModelMismatch(f"{what} is for model {fingerprint or '(none named)'}, but this "
+                            f"instance serves {served.identity}")

@@ -1,0 +1,203 @@
+"""Settings are defined once (pdserve/settings.py); flags, --help, variables and docs follow."""
+
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pdserve import settings as cfg
+from pdserve.cli import build_parser, main
+from pdserve.launcher import SHARED_SETTINGS, stack_commands
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = "\n".join(line for line in (ROOT / "docker-compose.yml").read_text().splitlines()
+                    if not line.lstrip().startswith("#"))  # its comments name examples
+CONTAINERS_DOC = (ROOT / "docs" / "containers.md").read_text()
+# Compose defaults that are deployment choices, not copies of a setting's default.
+COMPOSE_OWN_DEFAULTS = {"PDSERVE_TORCH_THREADS"}
+
+
+def all_settings() -> dict[str, object]:
+    """Every setting's variable, mapped to its field."""
+    return {cfg.env_name(f): f for classes in cfg.ROLE_SETTINGS.values()
+            for cls in classes for f in cfg.settings_fields(cls)}
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    """No PDSERVE_* from the caller's shell; a wide terminal so help lines keep names whole."""
+    for name in [n for n in os.environ if n.startswith(cfg.ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("COLUMNS", "120")
+
+
+def parsed_settings(role: str, *flags: str):
+    return cfg.settings_from_args(role, build_parser().parse_args(["serve", role, *flags]))
+
+
+def help_text(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*argv, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+# --- the compose file and the docs ---
+
+def test_compose_passes_only_defined_settings():
+    passed = set(re.findall(r"^\s+(PDSERVE_\w+):", COMPOSE, re.MULTILINE))
+    assert {"PDSERVE_MODEL", "PDSERVE_DTYPE", "PDSERVE_NUM_BLOCKS"} <= passed
+    assert passed - set(all_settings()) - {"PDSERVE_FAULTS"} == set()
+
+
+def test_compose_repeats_no_default():
+    defaults = dict(re.findall(r"\$\{(PDSERVE_\w+):-([^}]*)\}", COMPOSE))
+    repeated = {name for name, default in defaults.items()
+                if name in all_settings() and default and name not in COMPOSE_OWN_DEFAULTS}
+    assert repeated == set()
+
+
+def test_every_compose_service_gets_the_model_settings():
+    shared = re.search(r"^x-pdserve-env: &pdserve-env\n((?:  .*\n)+)", COMPOSE, re.MULTILINE)
+    assert shared and "PDSERVE_MODEL:" in shared.group(1) and "PDSERVE_DTYPE:" in shared.group(1)
+    assert COMPOSE.count("<<: *pdserve-env") == 3  # decode, prefill, router
+
+
+def test_compose_only_variables_are_documented():
+    used = set(re.findall(r"\$\{(PDSERVE_\w+)", COMPOSE)) - set(all_settings())
+    assert {name for name in used if f"`{name}`" not in CONTAINERS_DOC} == set()
+
+
+def test_docs_settings_table_is_current():
+    assert cfg.settings_table() in CONTAINERS_DOC, "run: python -m pdserve.settings"
+
+
+# --- the command line ---
+
+@pytest.mark.parametrize("role", list(cfg.ROLE_SETTINGS))
+def test_help_lists_every_setting_of_the_role_with_its_variable(capsys, role):
+    text = help_text(capsys, "serve", role)
+    for cls in cfg.ROLE_SETTINGS[role]:
+        for f in cfg.settings_fields(cls):
+            assert cfg.flag_name(f) in text and cfg.env_name(f) in text, f.name
+    assert "--model" in text and "--dtype" in text
+
+
+def test_up_help_shows_model_and_dtype(capsys):
+    text = help_text(capsys, "up")
+    assert "--model" in text and "PDSERVE_MODEL" in text and "--dtype" in text
+
+
+@pytest.mark.parametrize("role,expected", [
+    ("router", cfg.RouterSettings(cfg.CommonSettings(port=50051))),
+    ("prefill", cfg.PrefillSettings(cfg.CommonSettings(port=50052))),
+    ("decode", cfg.DecodeSettings(cfg.CommonSettings(port=50053))),
+])
+def test_flag_defaults_are_the_dataclass_defaults(role, expected):
+    assert parsed_settings(role) == expected
+
+
+def test_variables_override_defaults_with_the_right_type(monkeypatch):
+    for name, value in {"NUM_BLOCKS": "128", "LEASE_TTL_SECONDS": "2.5", "MODEL": "tinygpt",
+                        "DTYPE": "float16", "MAX_DECODE_BATCH": "7", "PORT": "6000"}.items():
+        monkeypatch.setenv(cfg.ENV_PREFIX + name, value)
+    decode = parsed_settings("decode")
+    assert (decode.num_blocks, decode.lease_ttl_seconds, decode.max_batch) == (128, 2.5, 7)
+    assert type(decode.num_blocks) is int and type(decode.lease_ttl_seconds) is float
+    assert (decode.common.model, decode.common.dtype, decode.common.port) == (
+        "tinygpt", "float16", 6000)
+    assert parsed_settings("decode", "--num-blocks", "64").num_blocks == 64  # the flag wins
+
+
+def test_list_and_renamed_settings_from_variables(monkeypatch):
+    monkeypatch.setenv("PDSERVE_PREFILL", "a:1, b:2")
+    monkeypatch.setenv("PDSERVE_MAX_PREFILL_BATCH", "3")
+    monkeypatch.setenv("PDSERVE_MAX_PREFILL_TOKENS", "99")
+    assert parsed_settings("router").prefill == ["a:1", "b:2"]
+    assert parsed_settings("router", "--prefill", "c:3", "d:4").prefill == ["c:3", "d:4"]
+    colocated = parsed_settings("colocated")
+    assert (colocated.prefill.max_batch_size, colocated.prefill.max_batch_tokens) == (3, 99)
+    assert colocated.decode.common is colocated.common
+
+
+def test_an_empty_variable_means_the_default(monkeypatch):
+    monkeypatch.setenv("PDSERVE_NUM_BLOCKS", "")
+    monkeypatch.setenv("PDSERVE_MODEL", "")
+    decode = parsed_settings("decode")
+    assert decode.num_blocks == 2048 and decode.common.model == "smollm2-135m-instruct"
+
+
+def test_help_shows_the_value_in_force(capsys, monkeypatch):
+    monkeypatch.setenv("PDSERVE_NUM_BLOCKS", "512")
+    assert "now 512, from the environment" in help_text(capsys, "serve", "decode")
+
+
+@pytest.mark.parametrize("env,flags,says", [
+    ({"PDSERVE_NUM_BLOCKS": "abc"}, [], "PDSERVE_NUM_BLOCKS"),
+    ({}, ["--dtype", "int8"], "--dtype (PDSERVE_DTYPE) must be one of"),
+    ({"PDSERVE_MAX_DECODE_BATCH": "0"}, [], "--max-decode-batch (PDSERVE_MAX_DECODE_BATCH)"),
+])
+def test_a_bad_value_is_a_clear_error_and_exit_2(env, flags, says):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(cfg.ENV_PREFIX)}
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "decode", *flags],
+                          env=environment | env, capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+
+
+# --- pdserve serve: the model is loaded once and handed to the service ---
+
+@pytest.fixture
+def fake_loading(monkeypatch):
+    """pdserve.models.loading and services.router.server stand-ins that record their calls."""
+    calls = {}
+
+    def load_served_model(name, dtype, weights):
+        calls["load"] = (name, dtype, weights)
+        if name.startswith("/missing"):
+            raise FileNotFoundError(f"no checkpoint at {name}")
+        return "the model"
+
+    async def serve(model, settings):
+        calls["serve"] = (model, settings)
+
+    monkeypatch.setitem(sys.modules, "pdserve.models.loading",
+                        types.SimpleNamespace(load_served_model=load_served_model))
+    monkeypatch.setitem(sys.modules, "services.router.server", types.SimpleNamespace(serve=serve))
+    return calls
+
+
+def test_the_router_loads_the_model_without_weights(fake_loading):
+    assert main(["serve", "router", "--model", "tinygpt", "--dtype", "float32"]) == 0
+    assert fake_loading["load"] == ("tinygpt", "float32", False)
+    model, settings = fake_loading["serve"]
+    assert model == "the model" and settings.common.model == "tinygpt"
+
+
+def test_a_missing_model_is_a_clear_error_and_exit_2(fake_loading, capsys):
+    assert main(["serve", "router", "--model", "/missing/ckpt"]) == 2
+    assert "pdserve: no checkpoint at /missing/ckpt" in capsys.readouterr().err
+    assert "serve" not in fake_loading
+
+
+# --- pdserve up ---
+
+def test_up_hands_model_and_dtype_to_every_service():
+    args = build_parser().parse_args(["up", "--model", "tinygpt", "--dtype", "bfloat16"])
+    shared = cfg.as_flags(cfg.CommonSettings, args, SHARED_SETTINGS)
+    commands = stack_commands(50051, 50052, 50053, 64, 1, shared=shared)
+    for role, command in commands.items():
+        argv = command[command.index("serve"):]  # after `python -m pdserve.cli`
+        common = cfg.settings_from_args(role, build_parser().parse_args(argv)).common
+        assert (common.model, common.dtype) == ("tinygpt", "bfloat16"), role
+
+
+def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
+    args = build_parser().parse_args(["up"])
+    assert cfg.as_flags(cfg.CommonSettings, args, SHARED_SETTINGS) == [
+        "--model", "smollm2-135m-instruct", "--dtype", ""]
