@@ -50,8 +50,9 @@ class Service:
 
 
 def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None,
-                  faults: str = "") -> Service:
-    """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING.
+                  faults: str = "", ready: bool = True) -> Service:
+    """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING, or,
+    with ready=False, only until it accepts connections (a router whose backends it refuses).
 
     `faults` sets PDSERVE_FAULTS for this process only (see pdserve/faults.py).
     """
@@ -63,11 +64,16 @@ def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None,
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     service = Service(role, port, proc, log_path)
-    wait_until(lambda: proc.poll() is not None or check_health(service.address, 1.0),
-               START_TIMEOUT_SECONDS, f"{role} to serve")
+    up = (lambda: check_health(service.address, 1.0)) if ready else (lambda: _listening(port))
+    wait_until(lambda: proc.poll() is not None or up(), START_TIMEOUT_SECONDS, f"{role} to serve")
     if proc.poll() is not None:
         raise RuntimeError(f"{role} exited during start-up:\n{service.log()}")
     return service
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
