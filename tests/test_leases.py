@@ -10,10 +10,12 @@ import torch
 from procs import start_service, wait_until
 from reference import model
 from pdserve.core import kv_wire
+from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 PROMPT = list(range(40, 90))
+MODEL = load_served_model("tinygpt", weights=False).fingerprint  # what every lease and chunk names
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,8 @@ def _stats(stub) -> pb.PoolStats:
 def reserve(stub, request_id="r1", ttl=0.0, max_tokens=4):
     call = stub.Generate(pb.DecodeRequest(
         request_id=request_id, prompt_token_ids=PROMPT, lease_ttl_seconds=ttl,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)), timeout=30)
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        model_fingerprint=MODEL), timeout=30)
     return call, next(call).lease
 
 
@@ -56,7 +59,7 @@ def kv_pushes(lease_id: str, request_id: str = "r1", first_token: int = 3,
             pushes.append(pb.KvPush(chunk=pb.KvChunk(
                 lease_id=lease_id, index=len(crcs) - 1, layer=layer, token_start=start,
                 token_end=end, dtype=pb.DTYPE_FLOAT32, shape=[2, end - start, 4, 64],
-                data=payload, crc32=crcs[-1])))
+                data=payload, crc32=crcs[-1], model_fingerprint=MODEL)))
     pushes.append(pb.KvPush(commit=pb.KvCommit(
         lease_id=lease_id, first_token_id=first_token, num_chunks=len(crcs),
         digest=kv_wire.digest(crcs), request_id=request_id,
@@ -157,7 +160,7 @@ def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
     def big():
         call = decode.Generate(pb.DecodeRequest(
             request_id="big", prompt_token_ids=[1] * 4000,
-            sampling=pb.SamplingParams(max_tokens=96)), timeout=30)
+            sampling=pb.SamplingParams(max_tokens=96), model_fingerprint=MODEL), timeout=30)
         return call, next(call)
 
     fits = _stats(decode).total_blocks // (4096 // 16)
