@@ -9,6 +9,8 @@
 #   query   gRPC requests from this host through the published router port; replies checked
 #   scale   --scale decode=2; both replicas must serve requests
 #   metrics pdserve_handoff_seconds from each service's /metrics and from Prometheus' HTTP API
+#   model   the stack again with the default model (SmolLM2, converted in the image): one chat
+#           question, the reply must name Paris; no container may convert the model itself
 #   down    down -v; nothing of the stack left; dockerd stopped if this script started it
 #
 # Every wait is bounded; any failure exits non-zero (after dumping the services' logs).
@@ -21,6 +23,10 @@ ROOT=$PWD
 
 export BASE_IMAGE=${BASE_IMAGE:-pdserve-base:bookworm}
 export PDSERVE_IMAGE=${PDSERVE_IMAGE:-pdserve:local}
+# The stack serves TinyGPT whatever the caller's environment says: small and fast, and the checks
+# of up to metrics expect its byte tokenizer (prompt_tokens per byte of prompt). Phase model then
+# runs the default model.
+export PDSERVE_MODEL=tinygpt
 LOCAL_PROMETHEUS=pdserve-prometheus:local
 export PROMETHEUS_IMAGE=${PROMETHEUS_IMAGE:-$LOCAL_PROMETHEUS}
 PROJECT=${PDSERVE_CI_PROJECT:-pdserveci}
@@ -340,6 +346,24 @@ if bad:
     sys.exit("\n".join(bad))
 EOF
 fi
+phase model
+
+# ------------------------------------------------------------------ model
+# PDSERVE_MODEL empty: every service serves its default, smollm2-135m-instruct, from the
+# conversion the image holds. Compose recreates router, prefill and decode (back to one replica).
+quiet model-up 300 env PDSERVE_MODEL= "${COMPOSE[@]}" up -d --no-build --scale decode=1
+wait_healthy 180 || fail "services not healthy in time with the default model"
+timeout 60 "$ROOT/.venv/bin/pdserve" generate --chat "What is the capital of France?" \
+  --address "127.0.0.1:$ROUTER_PORT" >"$LOGS/chat.out" 2>"$LOGS/chat.err" \
+  || { cat "$LOGS/chat.out" "$LOGS/chat.err" >&2; fail "pdserve generate --chat failed"; }
+echo "  $(cat "$LOGS/chat.out")"
+echo "  $(tail -1 "$LOGS/chat.err")"
+grep -q "Paris" "$LOGS/chat.out" || fail "the default model's reply does not name Paris"
+# (The image build already fails if the default model would be converted again; this is the
+# containers' side of it: gguf_import logs every conversion.)
+"${COMPOSE[@]}" logs --no-color router prefill decode >"$LOGS/model.log" 2>&1
+! grep -E "converted .*\.gguf to " "$LOGS/model.log" \
+  || fail "a container converted the model; the image should hold the conversion"
 phase down
 
 # ------------------------------------------------------------------ down

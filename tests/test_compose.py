@@ -1,6 +1,8 @@
-"""The container path, for real: scripts/compose_ci.sh builds the images, runs the compose stack,
-sends requests through the published router port, scales decode to two, reads the handoff metrics
-and takes everything down again. Then: the image runs its service as a non-root user.
+"""The container path, for real: scripts/compose_ci.sh builds the images, runs the compose stack
+(TinyGPT), sends requests through the published router port, scales decode to two, reads the
+handoff metrics, asks the default model (SmolLM2) one chat question and takes everything down
+again. Then: the image runs its service as a non-root user, and holds the default model ready to
+serve (no network, read-only file system: nothing to fetch, nothing to convert).
 
 Needs root and Debian's packages (docker.io, docker-compose, debootstrap), which the script
 installs when absent. Where that cannot work, the tests fail and say why; set
@@ -89,3 +91,21 @@ def test_image_runs_as_non_root(stage):
     assert uid.returncode == 0, uid.stderr
     assert uid.stdout.strip().isdigit() and int(uid.stdout) != 0, \
         f"{IMAGE} runs as uid {uid.stdout.strip()!r}"
+
+
+def test_image_holds_the_default_model(stage):
+    rc, _ = stage
+    if rc != 0:
+        pytest.fail("the CI stage failed, so the image could not be checked (see the test above)")
+    # The default model name, resolved as a service resolves it, in a container that could
+    # neither download nor write: it must find the conversion made at image build time.
+    script = ("import os; from pdserve.models.loading import load_served_model; "
+              "served = load_served_model('smollm2-135m-instruct', weights=False); "
+              "print(os.environ['PDSERVE_CACHE_DIR'], served.source, served.tokenizer.vocab_size)")
+    run = subprocess.run(["docker", "run", "--rm", "--network", "none", "--read-only",
+                          "--entrypoint", "python", IMAGE, "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    cache, source, vocab = run.stdout.split()
+    assert source.startswith(cache + "/"), f"loaded from {source}, not from the cache {cache}"
+    assert int(vocab) > 256, f"vocabulary of {vocab}: not SmolLM2's tokenizer"

@@ -92,6 +92,7 @@ def ensure_converted(gguf_path, cache_root=None) -> Path:
     try:
         started = time.monotonic()
         convert(path, scratch)
+        os.chmod(scratch, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             os.rename(scratch, target)
         except OSError:
