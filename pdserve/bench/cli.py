@@ -159,8 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write every request and the summary with "
-                     "the run's conditions (model, parameters, CPU, torch, workload, seed, "
-                     "rates, date) here")
+                     "the run's conditions (the model as the target reports it, parameters, "
+                     "CPU, torch, workload, seed, rates, date) here")
     out.add_argument("--plot", metavar="PATH.png", help="write a PNG chart: latency "
                      "percentiles against rate for a sweep, latency CDFs for one rate")
     out.add_argument("--from-json", nargs="+", metavar="PATH", help="run nothing: print the "
@@ -222,10 +222,16 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
-    from pdserve.bench.runner import run_sweep
+    from pdserve.bench.runner import fetch_model_info, run_sweep
     started = dt.datetime.now(dt.timezone.utc)
-    conds = report.conditions(spec, rates, options, label=args.label, preset=args.preset,
-                              slo_ttft=v["slo_ttft"], slo_tpot=v["slo_tpot"], started=started)
+    info, unavailable = asyncio.run(fetch_model_info(args.address))
+    if info is None:
+        print(f"pdserve bench: {unavailable}; the results will record the model as unknown",
+              file=sys.stderr, flush=True)
+    conds = report.conditions(spec, rates, options, model_info=info,
+                              model_unavailable=unavailable, label=args.label,
+                              preset=args.preset, slo_ttft=v["slo_ttft"], slo_tpot=v["slo_tpot"],
+                              started=started)
     done = []
 
     def on_run(run) -> None:

