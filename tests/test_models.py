@@ -248,3 +248,12 @@ def test_bad_input_to_a_real_tokenizer_stack(checkpoints, tmp_path):
 def _user(content: str):
     from pdserve.models.tokenizer import ChatMessage
     return ChatMessage("user", content)
+
+
+def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path):
+    directory = tc.build("llama-gqa-untied", tmp_path, shards=3)
+    assert (directory / "model.safetensors.index.json").exists()
+    served, ref = load_served_model(str(directory)), tc.reference(directory)
+    prompt = prompts()[3]
+    logits = served.model.prefill_packed([prompt], lambda *kv: None)[0]
+    assert (logits - reference_logits(ref, prompt)[-1]).abs().max() < TOLERANCE

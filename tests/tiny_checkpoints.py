@@ -61,7 +61,7 @@ def build(name: str, root: Path, old_style: bool = False, shards: int = 1) -> Pa
                     p.normal_(0, 0.5)
     directory = root / (name + ("-old" if old_style else "") + (f"-{shards}shards" if shards > 1
                                                                    else ""))
-    max_shard = f"{sum(p.numel() for p in model.parameters()) * 4 // shards + 1}B"
+    max_shard = f"{sum(p.numel() for p in model.parameters()) * 4 // shards // 1000 + 1}KB"
     model.save_pretrained(directory, max_shard_size=max_shard if shards > 1 else "5GB")
     train_tokenizer(directory / "tokenizer.json")
     (directory / "tokenizer_config.json").write_text(json.dumps(
