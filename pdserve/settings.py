@@ -89,7 +89,7 @@ class PrefillSettings:
     max_batch_size: int = setting(8, "prompts per prefill batch", flag="max-prefill-batch")
     max_batch_tokens: int = setting(4096, "prompt tokens per prefill batch",
                                     flag="max-prefill-tokens")
-    # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (LIMITS.md).
+    # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (measured on a 2-vCPU VM, grpcio 1.85, 2026-11-30).
     chunk_bytes: int = setting(1 << 20, "largest KV chunk sent to decode")
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ import torch
 from pdserve.core.config import ModelConfig
 from pdserve.core.paged_cache import TORCH_DTYPES
 
-DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (LIMITS.md)
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (measured on a 2-vCPU VM, grpcio 1.85, 2026-11-30)
 
 
 class KvRejected(ValueError):
