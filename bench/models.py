@@ -414,6 +414,13 @@ def markdown(doc: dict) -> str:
                 lines.append(f"| {dtype} | {case} | "
                              f"{_cell(row['pdserve']['end_to_end_tokens_per_second'])} | "
                              f"{_cell(row['transformers']['end_to_end_tokens_per_second'])} |")
+    lines += ["", "Cross-check, greedy tokens of the first timed run (same work on both sides; "
+              "bf16 may part at near-ties, fp32 should not):", ""]
+    for dtype, cases in doc["results"].items():
+        parts = [f"{case} {row['greedy_agreement']['identical']}/"
+                 f"{row['greedy_agreement']['sequences']} identical"
+                 for case, row in cases.items()]
+        lines.append(f"- {dtype}: " + ", ".join(parts))
     lines += ["", "Goals:", ""]
     for g in doc["goals"]:
         extra = f", worst case {g['worst_case_ratio']:.2f}x" if "worst_case_ratio" in g else ""
@@ -421,8 +428,9 @@ def markdown(doc: dict) -> str:
                      f" (median ratio {g['ratio']:.2f}x{extra}; {g['verdict']})")
     w = c["workload"]
     lines += ["", "Conditions:", "",
-              f"- {c['model']['identity']}; {c['model']['parameters_pdserve']:,} parameters; "
-              f"transformers attention: {c['model']['transformers_attention']}",
+              f"- checkpoint {c['model']['identity']} (float32 runs upcast its weights); "
+              f"{c['model']['parameters_pdserve']:,} parameters; transformers attention: "
+              f"{c['model']['transformers_attention']}",
               f"- {c['cpu']['logical_cpus']}x {c['cpu']['model']} "
               f"({', '.join(c['cpu']['flags']) or 'no AVX flags read'})",
               f"- torch {c['software']['torch']}, transformers {c['software']['transformers']}, "
@@ -467,6 +475,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet-wait", type=float, default=600.0, metavar="SECONDS")
     p.add_argument("--out", default=str(RESULTS / "models"), metavar="PREFIX",
                    help="writes PREFIX.json and PREFIX.md (default bench/results/models)")
+    p.add_argument("--render", metavar="PATH.json", help="measure nothing: rewrite the .md "
+                   "table next to a saved result")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2:
         p.error("need --repeats >= 1 and --new-tokens >= 2")
@@ -485,6 +495,10 @@ def wait_for_quiet(below: float, limit: float) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        saved = Path(args.render)
+        saved.with_suffix(".md").write_text(markdown(json.loads(saved.read_text())))
+        return 0
     torch.set_num_threads(args.threads)
     quiet = wait_for_quiet(args.quiet_below, args.quiet_wait) if args.quiet_below else ""
     if quiet:

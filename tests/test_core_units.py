@@ -122,6 +122,8 @@ def test_model_has_chapter_scale_and_identical_weights():
 
 def test_router_never_imports_torch():
     code = ("import sys, services.router.server, pdserve.cli; "
+            "from pdserve.models.loading import load_served_model; "
+            "load_served_model('smollm2-135m-instruct', weights=False); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

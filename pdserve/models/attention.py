@@ -13,13 +13,14 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     """q at positions offset.., k/v from position 0; -> [tq, heads, dim]."""
     tq, tk = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # A leading batch dimension: 3-D inputs take the slow unfused path on CPU (measured 2.3x).
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if offset == 0 and tq == tk:  # a whole prompt: the fused causal kernel, no T x T mask
         return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                              enable_gqa=gqa).transpose(0, 1)
+                                              enable_gqa=gqa)[0].transpose(0, 1)
     allowed = torch.arange(tk)[None, :] <= torch.arange(offset, offset + tq)[:, None]
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed,
-                                          enable_gqa=gqa).transpose(0, 1)
+                                          enable_gqa=gqa)[0].transpose(0, 1)
 
 
 def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -80,7 +80,7 @@ class _Fields:
 
 
 def _rope(fields: _Fields, raw: dict) -> tuple[float, tuple]:
-    from pdserve.models.rope import SUPPORTED_TYPES
+    from pdserve.models.rope_types import SUPPORTED_TYPES
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-SUPPORTED_TYPES = ("default", "linear", "llama3")
+from pdserve.models.rope_types import SUPPORTED_TYPES  # noqa: F401  (re-exported)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
