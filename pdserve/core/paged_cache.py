@@ -14,6 +14,7 @@ class PagedCache:
         slots = num_blocks * block_size
         shape = (config.n_layers, 2, slots, config.kv_heads, config.head_dim)
         self.kv = torch.zeros(shape, dtype=TORCH_DTYPES[config.dtype])
+        self.block_size = block_size
 
     def write(self, layer: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores K and V [tokens, heads, dim] of one layer at the given slots."""
@@ -31,24 +32,62 @@ class DecodeStepKv:
 
     Sequence i has lengths[i] tokens cached before the step; the step writes its new token at
     position lengths[i] and attends over positions [0, lengths[i]].
+
+    The cost follows the sum of the context lengths, not batch x longest: sequences are grouped
+    into buckets of similar length (lengths.py), and each bucket is gathered and padded only to its
+    own longest member. One long request therefore costs its own KV read, not a 30x slowdown of
+    every short stream beside it. Slot indices are built with tensor ops, once per step.
     """
 
     def __init__(self, cache: PagedCache, tables: list[BlockTable], lengths: list[int]) -> None:
         self._cache = cache
-        width = max(lengths) + 1
-        new_slots, gather_slots = [], []
-        for table, n in zip(tables, lengths, strict=True):
-            slots = table.slots(0, n + 1)
-            new_slots.append(slots[-1])
-            gather_slots.append(slots + [slots[-1]] * (width - n - 1))  # padding is masked out
-        self._new = torch.tensor(new_slots, dtype=torch.long)
-        self._gather = torch.tensor(gather_slots, dtype=torch.long)
-        self.mask = torch.arange(width)[None, :] <= torch.tensor(lengths)[:, None]
+        block_size = cache.block_size
+        self._new = torch.tensor([t.blocks[n // block_size] * block_size + n % block_size
+                                  for t, n in zip(tables, lengths, strict=True)], dtype=torch.long)
+        self.buckets = [_Bucket(members, [tables[i] for i in members],
+                                [lengths[i] + 1 for i in members], block_size)
+                        for members in buckets_by_length(lengths)]
+        self._order = torch.tensor([i for b in self.buckets for i in b.members]).argsort()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
-        self._cache.kv[layer, 0].index_copy_(0, self._new, k)
-        self._cache.kv[layer, 1].index_copy_(0, self._new, v)
-        keys = self._cache.kv[layer, 0][self._gather]
-        values = self._cache.kv[layer, 1][self._gather]
-        return attention.masked_batch(q, keys, values, self.mask)
+        keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
+        keys.index_copy_(0, self._new, k)
+        values.index_copy_(0, self._new, v)
+        outs = [attention.padded_decode(q[b.index], keys[b.slots], values[b.slots], b.mask)
+                for b in self.buckets]
+        return torch.cat(outs)[self._order]
+
+
+class _Bucket:
+    """Sequences attended together: their slots padded to the bucket's longest, and the mask."""
+
+    def __init__(self, members: list[int], tables: list[BlockTable], spans: list[int],
+                 block_size: int) -> None:
+        self.members = members
+        self.index = torch.tensor(members, dtype=torch.long)
+        width = max(spans)
+        blocks_needed = -(-width // block_size)
+        # Each sequence's first blocks_needed blocks (its own blocks, padded with its first one).
+        rows = [t.blocks[:blocks_needed] + [t.blocks[0]] * (blocks_needed - len(t.blocks))
+                for t in tables]
+        blocks = torch.tensor(rows, dtype=torch.long)
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+        self.slots = slots[:, :width]  # [sequences, width]; positions past a span are masked
+        self.mask = torch.arange(width)[None, :] < torch.tensor(spans)[:, None]
+
+
+def buckets_by_length(lengths: list[int], slack: float = 0.25, min_pad: int = 64
+                      ) -> list[list[int]]:
+    """Indices grouped so that padding each group to its longest wastes at most `slack` of the
+    longest, or `min_pad` tokens, per sequence: longest first, a new group when the next one is
+    shorter than that."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[groups[-1][0]] - lengths[i] <= max(slack * lengths[groups[-1][0]],
+                                                                 min_pad):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -34,11 +34,19 @@ def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(out)
 
 
-def masked_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
-    """q [batch, heads, dim]; k/v [batch, ctx, kv_heads, dim]; mask [batch, ctx] -> [batch, heads,
-    dim]."""
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-        enable_gqa=q.shape[1] != k.shape[2])
-    return out[:, :, 0, :]
+def padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence: q [batch, heads, dim]; k/v [batch, ctx, kv_heads, dim];
+    mask [batch, ctx] (True where a position is the sequence's own) -> [batch, heads, dim].
+
+    Plain batched matmuls rather than scaled_dot_product_attention: with one query per sequence
+    and a mask, the CPU kernel measured 2-2.5x slower. Scores and softmax are float32, so a bf16
+    cache keeps full-precision attention weights.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    scores = torch.matmul(grouped, k.permute(0, 2, 3, 1).float()) * dim ** -0.5
+    weights = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+    out = torch.matmul(weights, v.permute(0, 2, 1, 3).float())
+    return out.reshape(batch, heads, dim).to(q.dtype)
