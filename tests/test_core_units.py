@@ -194,3 +194,15 @@ def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
     assert not runners[0].is_alive()
     engine.decode.step()  # the step boundary where an aborted sequence leaves
     assert handle.table.released and engine.pool.available_blocks == 64
+
+
+def test_decode_buckets_bound_the_padding():
+    from pdserve.core.paged_cache import buckets_by_length
+    lengths = [200] * 31 + [3000]
+    groups = buckets_by_length(lengths)
+    assert sorted(map(len, groups)) == [1, 31] and groups[0] == [31]
+    spread = [1, 5, 40, 63, 64, 100, 130, 400, 450, 500, 1000, 2999, 3000, 3100]
+    for group in buckets_by_length(spread):
+        longest = max(spread[i] for i in group)
+        assert all(longest - spread[i] <= max(0.25 * longest, 64) for i in group)
+    assert sorted(i for g in buckets_by_length(spread) for i in g) == list(range(len(spread)))

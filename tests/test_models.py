@@ -55,15 +55,29 @@ def test_prefill_and_paged_decode_logits_match_transformers(checkpoints, name, o
     packed = served.model.prefill_packed(batch, lambda *kv: None)
     for prompt, logits in zip(batch, packed):
         assert (logits - reference_logits(ref, prompt)[-1]).abs().max() < TOLERANCE
-    worst = _paged_decode_against_reference(served, ref, batch, steps=6)
+    worst = paged_decode_against_reference(served, lambda s: reference_logits(ref, s)[-1], batch,
+                                           steps=6)
     assert worst < TOLERANCE, f"paged decode differs from transformers by {worst}"
 
 
-def _paged_decode_against_reference(served, ref, batch, steps: int) -> float:
+def test_a_long_sequence_decodes_correctly_beside_short_ones():
+    """A 3,000-token sequence in one decode batch with short ones (they fall in different length
+    buckets): every step's logits equal the plain contiguous reference's."""
+    served = load_served_model("tinygpt")
+    gen = torch.Generator().manual_seed(5)
+    batch = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3000, 7, 130, 64)]
+
+    def contiguous(tokens):
+        return served.model.forward_contiguous(tokens, [])[-1]
+
+    assert paged_decode_against_reference(served, contiguous, batch, steps=3) < TOLERANCE
+
+
+def paged_decode_against_reference(served, reference_last_logits, batch, steps: int) -> float:
     """Prefills the batch into a paged cache, then feeds the reference's argmax for `steps`
     batched steps, comparing every step's logits with transformers' on the whole sequence."""
-    pool, block = BlockPool(256, 8), 8
-    cache = PagedCache(served.config, 256, block)
+    blocks, block = 512, 8
+    pool, cache = BlockPool(blocks, block), PagedCache(served.config, blocks, block)
     tables = [pool.reserve(len(p) + steps + 1) for p in batch]
     for t, p in zip(tables, batch):
         t.ensure(len(p))
@@ -84,10 +98,10 @@ def _paged_decode_against_reference(served, ref, batch, steps: int) -> float:
         view = cache.step_view(tables, lengths)
         logits = served.model.decode_paged([s[-1] for s in seqs], lengths, view)
         for s, row in zip(seqs, logits):
-            worst = max(worst, float((row - reference_logits(ref, s)[-1]).abs().max()))
+            worst = max(worst, float((row - reference_last_logits(s)).abs().max()))
     for t in tables:
         t.release()
-    assert pool.available_blocks == 256
+    assert pool.available_blocks == blocks
     return worst
 
 

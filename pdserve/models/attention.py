@@ -36,17 +36,24 @@ def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor) -> torch.Tensor:
-    """One new token per sequence: q [batch, heads, dim]; k/v [batch, ctx, kv_heads, dim];
-    mask [batch, ctx] (True where a position is the sequence's own) -> [batch, heads, dim].
+    """One new token per sequence: q [batch, heads, dim]; k/v [kv_heads, batch, ctx, dim], as
+    gathered from a head-major cache; mask [batch, ctx] (True where a position is the sequence's
+    own) -> [batch, heads, dim].
 
-    Plain batched matmuls rather than scaled_dot_product_attention: with one query per sequence
-    and a mask, the CPU kernel measured 2-2.5x slower. Scores and softmax are float32, so a bf16
-    cache keeps full-precision attention weights.
+    Plain bmm rather than scaled_dot_product_attention: with one query per sequence and a mask,
+    the CPU kernel measured 2-2.5x slower. K and V are read where the gather put them (bmm takes
+    K transposed as a view). Softmax is in float32; a bf16 or fp16 cache is widened first so the
+    scores keep full precision.
     """
     batch, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    scores = torch.matmul(grouped, k.permute(0, 2, 3, 1).float()) * dim ** -0.5
-    weights = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
-    out = torch.matmul(weights, v.permute(0, 2, 1, 3).float())
-    return out.reshape(batch, heads, dim).to(q.dtype)
+    kv_heads, _, ctx, _ = k.shape
+    group = heads // kv_heads
+    k, v = k.float(), v.float()  # no copy when the caller gathered them as float32
+    # [batch, heads, dim] -> [kv_heads * batch, group, dim], matching K's merged batch order.
+    grouped = q.float().view(batch, kv_heads, group, dim).transpose(0, 1).reshape(-1, group, dim)
+    scores = torch.bmm(grouped, k.view(-1, ctx, dim).transpose(1, 2)) * dim ** -0.5
+    scores = scores.view(kv_heads, batch, group, ctx)
+    weights = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
+    out = torch.bmm(weights.view(-1, group, ctx), v.view(-1, ctx, dim))  # [kv_heads*batch, group, dim]
+    return out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim) \
+        .to(q.dtype)
