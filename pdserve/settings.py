@@ -126,16 +126,29 @@ class RouterSettings:
 
 @dataclass(frozen=True)
 class ColocatedSettings:
+    TITLE: ClassVar[str] = "colocated scheduling"
+
     common: CommonSettings
     decode: DecodeSettings
     prefill: PrefillSettings
+    chunk_tokens: int = setting(
+        256, "chunked prefill (as vLLM's and Sarathi-Serve's schedulers do): each step carries "
+        "every running decode plus at most this many prompt tokens, so a long prompt is spread "
+        "over several steps; 0 for the plain loop (a whole prefill batch, then a decode step)",
+        flag="prefill-chunk-tokens")
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 0:
+            raise ValueError(f"--prefill-chunk-tokens (PDSERVE_PREFILL_CHUNK_TOKENS) must be >= 0, "
+                             f"got {self.chunk_tokens}")
 
 
 # The settings each role shows as flags, in --help order.
 ROLE_SETTINGS = {"router": (CommonSettings, RouterSettings),
                  "prefill": (CommonSettings, PrefillSettings),
                  "decode": (CommonSettings, DecodeSettings),
-                 "colocated": (CommonSettings, DecodeSettings, PrefillSettings)}
+                 "colocated": (CommonSettings, DecodeSettings, PrefillSettings,
+                               ColocatedSettings)}
 
 
 def _positive(settings, *names: str) -> None:
@@ -275,8 +288,9 @@ def settings_from_args(role: str, args: argparse.Namespace):
     """The settings object `services.<role>.server.serve` takes. ValueError when one is invalid."""
     common = from_args(CommonSettings, args, faults=Faults.parse(_raw_env("PDSERVE_FAULTS") or ""))
     if role == "colocated":
-        return ColocatedSettings(common, from_args(DecodeSettings, args, common=common),
-                                 from_args(PrefillSettings, args, common=common))
+        return from_args(ColocatedSettings, args, common=common,
+                         decode=from_args(DecodeSettings, args, common=common),
+                         prefill=from_args(PrefillSettings, args, common=common))
     service = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
     return from_args(service[role], args, common=common)
 
@@ -307,7 +321,8 @@ def _documented_default(f: Field) -> str:
 def settings_table() -> str:
     """The Markdown table of every setting, as docs/containers.md holds it."""
     lines = ["| variable | flag | services | default | |", "|---|---|---|---|---|"]
-    for cls in (CommonSettings, DecodeSettings, PrefillSettings, RouterSettings):
+    for cls in (CommonSettings, DecodeSettings, PrefillSettings, RouterSettings,
+                ColocatedSettings):
         for f in settings_fields(cls):
             lines.append(f"| `{env_name(f)}` | `{flag_name(f)}` | {_roles_of(cls)} | "
                          f"{_documented_default(f)} | {f.metadata['help']} |")

@@ -170,13 +170,17 @@ def test_an_abort_racing_the_step_end_still_frees_the_blocks():
     assert scheduler.running == [] and table.released and pool.available_blocks == 8
 
 
-def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
+def colocated_engine(chunk_tokens: int):
+    from pdserve.models.loading import load_served_model
     from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
     from services.colocated.engine import ColocatedEngine
     common = CommonSettings()
-    from pdserve.models.loading import load_served_model
-    engine = ColocatedEngine(load_served_model("tinygpt"), ColocatedSettings(common, DecodeSettings(common, num_blocks=64),
-                                                       PrefillSettings(common)))
+    return ColocatedEngine(load_served_model("tinygpt"), ColocatedSettings(
+        common, DecodeSettings(common, num_blocks=64), PrefillSettings(common), chunk_tokens))
+
+
+def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
+    engine = colocated_engine(chunk_tokens=0)
     handle = engine.submit(GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)),
                            lambda emission: None)
     remove, runners = engine.prefill.remove, []
@@ -194,6 +198,24 @@ def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
     assert not runners[0].is_alive()
     engine.decode.step()  # the step boundary where an aborted sequence leaves
     assert handle.table.released and engine.pool.available_blocks == 64
+
+
+@pytest.mark.parametrize("cancel_after_chunks", [0, 1, 3])
+def test_chunked_prefill_cancelled_at_any_point_frees_the_reservation(cancel_after_chunks):
+    """A 40-token prompt in 16-token chunks (3 steps), cancelled before its first chunk, midway,
+    or once it is decoding: its blocks come back at the next step boundary at the latest."""
+    engine = colocated_engine(chunk_tokens=16)
+    emissions = []
+    handle = engine.submit(GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)),
+                           emissions.append)
+    for _ in range(cancel_after_chunks):
+        engine.step()
+    assert (handle.sequence is not None) == (cancel_after_chunks == 3)
+    engine.abort(handle)
+    for _ in range(3):
+        engine.step()
+    assert handle.table.released and engine.pool.available_blocks == 64
+    assert not engine.has_work()
 
 
 def test_decode_buckets_bound_the_padding():

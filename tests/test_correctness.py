@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from procs import generate, greedy_request
+from procs import generate, greedy_request, start_service
 from reference import check_against_reference, greedy_generate
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -48,6 +48,19 @@ def test_disaggregated_matches_reference(stack, concurrent):
 def test_colocated_matches_reference(colocated, concurrent):
     with grpc.insecure_channel(colocated.address) as channel:
         assert_matches_reference(run_all(pb_grpc.RouterStub(channel), concurrent))
+
+
+@pytest.mark.parametrize("chunk_tokens", ["0", "48"], ids=["plain-loop", "48-token-chunks"])
+def test_colocated_schedules_match_reference(tmp_path, chunk_tokens):
+    """The plain prefill-then-decode loop, and chunks so small that every long prompt spans many
+    steps that also carry decodes (the default chunk size is covered by the tests above)."""
+    service = start_service("colocated", "--torch-threads", "1", "--prefill-chunk-tokens",
+                            chunk_tokens, tmp_dir=str(tmp_path))
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            assert_matches_reference(run_all(pb_grpc.RouterStub(channel), concurrent=True))
+    finally:
+        service.stop()
 
 
 def test_concurrent_equals_sequential(stack):

@@ -59,20 +59,28 @@ class DecodeScheduler:
         return len(self.running) + len(self._joining)
 
     def step(self) -> DecodeStepStats | None:
-        self._admit()
-        if not self.running:
+        batch = self.schedule()
+        if not batch:
             return None
         start = time.perf_counter()
-        batch = self.running
         view = self.cache.step_view([s.table for s in batch], [s.cached_tokens for s in batch])
         logits = self.model.decode_paged([s.tokens[-1] for s in batch],
                                          [s.cached_tokens for s in batch], view)
+        self.postprocess(batch, logits)
+        return DecodeStepStats(len(batch), time.perf_counter() - start)
+
+    def schedule(self) -> list[Sequence]:
+        """The sequences that decode one token this step (joining ones admitted first)."""
+        self._admit()
+        return self.running
+
+    def postprocess(self, batch: list[Sequence], logits) -> None:
+        """Samples each sequence's token from its row of `logits`, then lets finished ones go."""
         tokens = sample(logits, [s.spec.sampling for s in batch], [s.generated for s in batch])
         for seq, token in zip(batch, tokens, strict=True):
             if not seq.aborted:
                 seq.append(token)
         self._leave()
-        return DecodeStepStats(len(batch), time.perf_counter() - start)
 
     def fail_all(self, message: str) -> None:
         """Ends every sequence with an error (the model step itself failed)."""

@@ -5,6 +5,8 @@ Head-major, [layers, K/V, kv_heads, slots, head_dim]: gathering a batch's slots 
 decode attention reads the gathered KV in place, with no transposing copy.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.core.block_pool import BlockTable
@@ -40,9 +42,11 @@ class PagedCache:
         self.kv[layer, 0].index_copy_(1, index, k.transpose(0, 1))
         self.kv[layer, 1].index_copy_(1, index, v.transpose(0, 1))
 
-    def step_view(self, tables: list[BlockTable], lengths: list[int]) -> "DecodeStepKv":
-        """The cache as one decode step sees it: each sequence's `lengths[i]` tokens, one new."""
-        return DecodeStepKv(self, tables, lengths)
+    def step_view(self, tables: list[BlockTable], lengths: list[int],
+                  chunks: list["PromptChunk"] = ()) -> "DecodeStepKv":
+        """The cache as one decode step sees it: each sequence's `lengths[i]` tokens, one new;
+        then, for chunked prefill, prompt chunks whose rows follow the decode rows."""
+        return DecodeStepKv(self, tables, lengths, list(chunks))
 
 
 class DecodeStepKv:
@@ -57,25 +61,66 @@ class DecodeStepKv:
     every short stream beside it. Slot indices are built with tensor ops, once per step.
     """
 
-    def __init__(self, cache: PagedCache, tables: list[BlockTable], lengths: list[int]) -> None:
+    def __init__(self, cache: PagedCache, tables: list[BlockTable], lengths: list[int],
+                 chunks: list["PromptChunk"] = ()) -> None:
         self._cache = cache
         block_size = cache.block_size
-        self._new = torch.tensor([t.blocks[n // block_size] * block_size + n % block_size
-                                  for t, n in zip(tables, lengths, strict=True)], dtype=torch.long)
+        self._decodes = len(lengths)
+        new = [t.blocks[n // block_size] * block_size + n % block_size
+               for t, n in zip(tables, lengths, strict=True)]
+        self._chunks = [_ChunkView(c, block_size) for c in chunks]
+        self._new = torch.tensor(new + [s for c in chunks for s in c.table.slots(c.start, c.end)],
+                                 dtype=torch.long)
         self.buckets = [_Bucket(members, [tables[i] for i in members],
                                 [lengths[i] + 1 for i in members], block_size)
                         for members in buckets_by_length(lengths)]
-        self._order = torch.tensor([i for b in self.buckets for i in b.members]).argsort()
+        if self.buckets:
+            self._order = torch.tensor([i for b in self.buckets for i in b.members]).argsort()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
         keys.index_copy_(1, self._new, k.transpose(0, 1))
         values.index_copy_(1, self._new, v.transpose(0, 1))
-        outs = [attention.padded_decode(q[b.index], b.gather(keys, self._cache, "k"),
-                                        b.gather(values, self._cache, "v"), b.mask)
-                for b in self.buckets]
-        return torch.cat(outs)[self._order]
+        outs = []
+        if self.buckets:
+            decode_out = [attention.padded_decode(q[b.index], b.gather(keys, self._cache, "k"),
+                                                  b.gather(values, self._cache, "v"), b.mask)
+                          for b in self.buckets]
+            outs.append(torch.cat(decode_out)[self._order])
+        row = self._decodes
+        for chunk in self._chunks:
+            rows = slice(row, row + chunk.tokens)
+            outs.append(attention.causal(q[rows], chunk.gather(keys), chunk.gather(values),
+                                         chunk.start))
+            row += chunk.tokens
+        return torch.cat(outs)
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt positions [start, end) of one sequence, prefilled in a chunked-prefill step."""
+
+    table: BlockTable
+    start: int
+    end: int
+
+
+class _ChunkView:
+    """One prompt chunk: attends causally over the prompt's cached prefix and itself."""
+
+    def __init__(self, chunk: PromptChunk, block_size: int) -> None:
+        self.start, self.tokens = chunk.start, chunk.end - chunk.start
+        blocks = -(-chunk.end // block_size)
+        self._blocks = torch.tensor(chunk.table.blocks[:blocks], dtype=torch.long)
+        self._block_size, self._end = block_size, chunk.end
+
+    def gather(self, layer_kv: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, slots, dim] -> this prompt's [0, end) as [tokens, kv_heads, dim]."""
+        heads, slots, dim = layer_kv.shape
+        by_block = layer_kv.view(heads, slots // self._block_size, self._block_size, dim)
+        picked = by_block.index_select(1, self._blocks).flatten(1, 2)[:, :self._end]
+        return picked.transpose(0, 1)
 
 
 class _Bucket:

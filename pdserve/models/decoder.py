@@ -29,14 +29,14 @@ class DecoderOnly(nn.Module):
         return self.logits(x[last])
 
     @torch.inference_mode()
-    def decode_paged(self, tokens: list[int], positions: list[int], cache: PagedKv
-                     ) -> torch.Tensor:
+    def decode_paged(self, tokens: list[int], positions: list[int], cache: PagedKv,
+                     logits_rows: list[int] | None = None) -> torch.Tensor:
         pos = torch.tensor(positions, dtype=torch.long)
         x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, rotary)
             x = layer.finish(x, cache.attend(index, q, k, v))
-        return self.logits(x)
+        return self.logits(x if logits_rows is None else x[logits_rows])
 
     @torch.inference_mode()
     def forward_contiguous(self, tokens: list[int], cache: ContiguousKv) -> torch.Tensor:
