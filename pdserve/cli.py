@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 
 from pdserve import settings as cfg
@@ -30,16 +31,29 @@ def _serve(args) -> int:
     common = settings.common
     logging.basicConfig(level=common.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _pin(cfg.parse_cpu_list(common.cpus))
     if args.role != "router":  # the router never imports torch
         import torch
-        if common.torch_threads:
-            torch.set_num_threads(common.torch_threads)
+        # Threads follow the CPUs the service may use: more would only contend for them.
+        torch.set_num_threads(common.torch_threads or len(os.sched_getaffinity(0)))
+        logging.getLogger("pdserve").info("torch threads: %d on CPUs %s",
+                                          torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
     from pdserve.models.loading import load_served_model
     # The router only tokenizes and checks model identity, so it needs no weights.
     model = load_served_model(common.model, common.dtype, weights=(args.role != "router"))
     service = importlib.import_module(f"services.{args.role}.server")
     asyncio.run(service.serve(model, settings))
     return 0
+
+
+def _pin(cpus: set[int]) -> None:
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise ValueError(f"--cpus {sorted(cpus)}: cannot run there ({exc.strerror}); this "
+                         f"process may use CPUs {sorted(os.sched_getaffinity(0))}") from None
 
 
 def _add_serve(sub) -> None:

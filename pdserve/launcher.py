@@ -20,6 +20,7 @@ READY_TIMEOUT_SECONDS = 120.0
 
 # Settings `pdserve up` hands on to every service it starts; their flags come from pdserve.settings.
 SHARED_SETTINGS = ("model", "dtype")
+ROLES = ("prefill", "decode", "router")
 
 
 def add_up(sub) -> None:
@@ -31,9 +32,14 @@ def add_up(sub) -> None:
     add_flags(p.add_argument_group("model", "handed on to every service"), CommonSettings,
               only=SHARED_SETTINGS)
     add_flags(p, DecodeSettings, only=("num_blocks",))
-    # 1, not torch's default: prefill and decode share this machine's cores.
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="torch threads for prefill and for decode each (default %(default)s)")
+    g = p.add_argument_group("placement", "which CPUs each service runs on (Linux CPU lists, "
+                             "e.g. 0 or 0-1,3; empty for all)")
+    for role in ROLES:
+        g.add_argument(f"--{role}-cpus", default="", help=f"CPUs of the {role} service")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch threads for prefill and for decode each; 0 (default): one per CPU "
+                   "of the service's --*-cpus, or 1 where none are given, since prefill and "
+                   "decode then share the cores")
     p.add_argument("--metrics-base-port", type=int, default=0,
                    help="serve Prometheus metrics: router on this port, prefill on +1, decode on "
                    "+2 (0: none)")
@@ -45,21 +51,28 @@ def add_up(sub) -> None:
 
 def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_blocks: int,
                    torch_threads: int, metrics_base_port: int = 0,
-                   shared: Sequence[str] = ()) -> dict[str, list[str]]:
-    """Each service's command line; `shared` (--model, --dtype) goes to all three."""
+                   shared: Sequence[str] = (), cpus: dict[str, str] | None = None
+                   ) -> dict[str, list[str]]:
+    """Each service's command line; `shared` (--model, --dtype) goes to all three, `cpus` maps a
+    role to its CPU list."""
     base = [sys.executable, "-m", "pdserve.cli", "serve"]
     loopback = ["--host", "127.0.0.1", *shared]
-    threads = ["--torch-threads", str(torch_threads)]
+    cpus = cpus or {}
+
+    def placed(role: str) -> list[str]:
+        where = ["--cpus", cpus[role]] if cpus.get(role) else []
+        threads = torch_threads or (0 if cpus.get(role) else 1)
+        return where + (["--torch-threads", str(threads)] if role != "router" else [])
 
     def metrics(offset: int) -> list[str]:
         return ["--metrics-port", str(metrics_base_port + offset)] if metrics_base_port else []
 
     return {
-        "decode": base + ["decode", *loopback, "--port", str(decode_port), *threads,
+        "decode": base + ["decode", *loopback, "--port", str(decode_port), *placed("decode"),
                           "--num-blocks", str(num_blocks), *metrics(2)],
-        "prefill": base + ["prefill", *loopback, "--port", str(prefill_port), *threads,
-                           *metrics(1)],
-        "router": base + ["router", *loopback, "--port", str(router_port),
+        "prefill": base + ["prefill", *loopback, "--port", str(prefill_port),
+                           *placed("prefill"), *metrics(1)],
+        "router": base + ["router", *loopback, "--port", str(router_port), *placed("router"),
                           "--prefill", f"127.0.0.1:{prefill_port}",
                           "--decode", f"127.0.0.1:{decode_port}", *metrics(0)],
     }
@@ -81,7 +94,8 @@ def run_up(args) -> int:
     commands = stack_commands(args.port, args.prefill_port or free_port(),
                               args.decode_port or free_port(), args.num_blocks, args.torch_threads,
                               args.metrics_base_port,
-                              as_flags(CommonSettings, args, SHARED_SETTINGS))
+                              as_flags(CommonSettings, args, SHARED_SETTINGS),
+                              {role: getattr(args, f"{role}_cpus") for role in ROLES})
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
     signal.signal(signal.SIGTERM, _interrupt)
     try:

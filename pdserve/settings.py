@@ -55,7 +55,10 @@ class CommonSettings:
     instance: str = setting("", "name in logs and responses; empty for role@host:port")
     grace_seconds: float = setting(
         10.0, "on SIGTERM, how long in-flight requests may take to finish")
-    torch_threads: int = setting(0, "threads for torch, 0 for torch's default")
+    cpus: str = setting(
+        "", "CPUs this service may run on, as Linux lists them (e.g. 0 or 0-1,3); empty for all "
+        "the process was given. Prefill and decode pinned apart do not slow each other")
+    torch_threads: int = setting(0, "threads for torch; 0 for one per CPU the service may use")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     # Not a flag: fault injection is for tests only and must never be on by accident.
     faults: Faults = field(default_factory=Faults)  # PDSERVE_FAULTS
@@ -65,6 +68,7 @@ class CommonSettings:
             raise ValueError("model must name a checkpoint, a .gguf file or a built-in model")
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
+        parse_cpu_list(self.cpus)  # ValueError on a malformed list
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,22 @@ def _documented_default(f: Field) -> str:
     if f.name == "port":  # the one default that depends on the role
         return ", ".join(f"{role} {port}" for role, port in DEFAULT_PORTS.items())
     return f"`{_shown(_default(f))}`"
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """'0-1,3' -> {0, 1, 3}; '' -> the empty set (no pinning)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last or first)
+        except ValueError:
+            raise ValueError(f"--cpus (PDSERVE_CPUS): {part!r} is not a CPU number or range "
+                             f"like 0-3") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"--cpus (PDSERVE_CPUS): bad range {part!r}")
+        cpus.update(range(lo, hi + 1))
+    return cpus
 
 
 def settings_table() -> str:

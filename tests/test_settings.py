@@ -201,3 +201,26 @@ def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
     args = build_parser().parse_args(["up"])
     assert cfg.as_flags(cfg.CommonSettings, args, SHARED_SETTINGS) == [
         "--model", "smollm2-135m-instruct", "--dtype", ""]
+
+
+def test_cpu_lists_parse_and_reach_each_service():
+    from pdserve.launcher import stack_commands
+    assert cfg.parse_cpu_list("0-2,5") == {0, 1, 2, 5} and cfg.parse_cpu_list("") == set()
+    for bad in ("x", "3-1", "-1"):
+        with pytest.raises(ValueError, match="PDSERVE_CPUS"):
+            cfg.parse_cpu_list(bad)
+    commands = stack_commands(50051, 50052, 50053, 64, 0, cpus={"prefill": "0", "decode": "1"})
+    assert commands["prefill"][commands["prefill"].index("--cpus") + 1] == "0"
+    assert commands["decode"][commands["decode"].index("--cpus") + 1] == "1"
+    assert "--cpus" not in commands["router"]
+    # Threads follow a service's CPUs (0: the service counts them); unpinned services get 1.
+    assert commands["decode"][commands["decode"].index("--torch-threads") + 1] == "0"
+    unpinned = stack_commands(50051, 50052, 50053, 64, 0)
+    assert unpinned["decode"][unpinned["decode"].index("--torch-threads") + 1] == "1"
+
+
+def test_a_service_pinned_to_a_cpu_it_cannot_use_exits_with_a_message():
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "decode", "--model",
+                             "tinygpt", "--cpus", "4095", "--port", "0"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "cannot run there" in result.stderr
