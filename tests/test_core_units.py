@@ -1,6 +1,7 @@
 """The shared core's pieces alone, without servers."""
 
 import dataclasses
+from pathlib import Path
 import subprocess
 import sys
 import threading
@@ -128,10 +129,26 @@ def test_router_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_prefill_and_decode_do_not_import_each_other():
-    code = ("import sys, services.prefill.server; assert 'services.decode' not in sys.modules; "
-            "import services.decode.server; assert 'services.prefill.kv_sender' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+def imported_by(module: str) -> set[str]:
+    """Every module a fresh interpreter holds after importing `module` alone."""
+    code = f"import sys, {module}; print('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                         capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+@pytest.mark.parametrize("service, other", [("prefill", "decode"), ("decode", "prefill")])
+def test_prefill_and_decode_do_not_import_each_other(service, other):
+    pulled = imported_by(f"services.{service}.server")
+    assert not [m for m in pulled if m.startswith(f"services.{other}")]
+
+
+def test_the_shared_core_imports_no_service_and_no_generated_code():
+    core = " ,".join(f"pdserve.core.{m.stem}" for m in
+                     sorted(Path(__file__).resolve().parents[1].glob("pdserve/core/*.py"))
+                     if m.stem != "__init__")
+    pulled = imported_by(core.replace(" ,", ", "))
+    assert not [m for m in pulled if m.startswith(("services", "pdserve.v1", "grpc"))]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["serve", "router", "--help"],

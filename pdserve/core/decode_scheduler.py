@@ -1,7 +1,7 @@
 """Continuous batching: every step decodes one token for every running sequence.
 
 New sequences join between steps (up to max_batch running); finished and aborted ones leave and
-give their blocks back. `add` and `abort` may be called from any thread; `step` only from the
+give their blocks back. `start` and `abort` may be called from any thread; `step` only from the
 engine thread.
 """
 

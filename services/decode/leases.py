@@ -40,7 +40,8 @@ class Lease:
     assembly: KvAssembly
     state: LeaseState = LeaseState.GRANTED
     sequence: Sequence | None = None
-    commit_key: tuple[int, int, int] | None = None
+    # (first token, chunk count, digest, request id, prompt digest) of the accepted commit
+    commit_key: tuple[int, int, int, str, int] | None = None
     first_chunk_at: float | None = None
     committed_at: float | None = None
 
