@@ -10,6 +10,8 @@ fault names the point at which it fires:
   crash_after_chunks=N   prefill: exit abruptly before sending chunk N
   decode_crash_after_chunks=N  decode: exit abruptly on receiving its N-th chunk (1-based, all leases)
   decode_crash_after_steps=N   decode: exit abruptly after its N-th decode step
+  prefill_engine_crash_at_step=N  prefill: the engine loop fails outside the model call at its
+                               N-th step (1-based), with jobs waiting
 """
 
 import asyncio
@@ -35,6 +37,7 @@ class Faults:
     crash_after_chunks: int | None = None
     decode_crash_after_chunks: int | None = None
     decode_crash_after_steps: int | None = None
+    prefill_engine_crash_at_step: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "Faults":
@@ -70,6 +73,10 @@ class Faults:
         if count == self.decode_crash_after_chunks:
             log.error("fault: decode exits on chunk %d", count)
             os._exit(CRASH_EXIT_CODE)
+
+    def before_prefill_step(self, count: int) -> None:
+        if count == self.prefill_engine_crash_at_step:
+            raise InjectedFault(f"fault: prefill engine loop fails at step {count}")
 
     def after_decode_step(self, count: int) -> None:
         if count == self.decode_crash_after_steps:

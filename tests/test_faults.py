@@ -244,3 +244,38 @@ def test_router_bounds_a_request_whose_client_set_no_deadline(services):
     err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     settled(stack)
+
+
+def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(services):
+    """The engine loop fails outside the model call with a Prefill waiting: the call gets a clear
+    status within a second (not at its deadline), the instance reports NOT_SERVING, and later
+    calls are refused as UNAVAILABLE; decode gets its blocks back."""
+    import time
+    from pdserve.client import check_health
+    from pdserve.models.loading import load_served_model
+    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+    model = load_served_model("tinygpt", weights=False).fingerprint
+    decode = services("decode")
+    prefill = services("prefill", faults="prefill_engine_crash_at_step=1")
+    with grpc.insecure_channel(decode.address) as d, grpc.insecure_channel(prefill.address) as p:
+        lease_call = pb_grpc.DecodeStub(d).Generate(pb.DecodeRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(max_tokens=2),
+            model_fingerprint=model), timeout=30)
+        lease = next(lease_call).lease
+        request = pb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                    sampling=pb.SamplingParams(max_tokens=2),
+                                    lease_id=lease.lease_id, decode_address=decode.address,
+                                    model_fingerprint=model)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.PrefillStub(p).Prefill(request, timeout=30)
+        assert time.monotonic() - started < 1.0
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "prefill engine loop fails" in err.value.details()
+        wait_until(lambda: not check_health(prefill.address, 1.0), 5, "prefill to say NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.PrefillStub(p).Prefill(request, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        lease_call.cancel()
+        stats = lambda: pb_grpc.DecodeStub(d).GetPoolStats(pb.PoolStatsRequest(), timeout=5)  # noqa: E731
+        wait_until(lambda: stats().free_blocks == stats().total_blocks, 10, "decode's blocks")

@@ -42,6 +42,7 @@ class PrefillScheduler:
         self.model = model
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self._waiting: deque[PrefillJob] = deque()
+        self._running: list[PrefillJob] = []  # the batch of the current step
         self._lock = threading.Lock()
 
     def add(self, job: PrefillJob) -> None:
@@ -64,8 +65,15 @@ class PrefillScheduler:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    def fail_all(self, message: str) -> None:
+        """Fails every waiting job and the batch in progress (the engine loop itself failed)."""
+        with self._lock:
+            jobs, self._waiting = [*self._running, *self._waiting], deque()
+        for job in jobs:
+            job.on_error(message)
+
     def step(self) -> PrefillTiming | None:
-        batch = self.schedule()
+        batch = self._running = self.schedule()
         if not batch:
             return None
         start = time.perf_counter()

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import grpc
 
@@ -33,18 +34,34 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.scheduler = PrefillScheduler(served.model, settings.max_batch_size,
                                           settings.max_batch_tokens)
         self.loop = EngineLoop("prefill-engine", self._step,
-                               lambda: self.scheduler.has_work, lambda msg: None)
+                               lambda: self.scheduler.has_work, self._crashed)
+        self.steps = 0
+        self.broken: str | None = None  # why the engine loop failed, once it has
+        self.on_broken: Callable[[], None] = lambda: None
         self._decode_stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.DecodeStub]] = {}
         self.admission = Admission()
 
     def _step(self) -> None:
+        self.steps += 1
+        self.settings.common.faults.before_prefill_step(self.steps)
         timing = self.scheduler.step()
         if timing is not None:
             metrics.PREFILL_BATCH.labels("prefill").observe(timing.batch_size)
             metrics.STEP_SECONDS.labels("prefill", "prefill").observe(timing.prefill_seconds)
             metrics.TOKENS.labels("prefill", "prompt").inc(timing.batch_tokens)
 
+    def _crashed(self, message: str) -> None:
+        """From the engine thread: the loop failed outside the model call, so its state is not to
+        be trusted. Every job fails now, and the instance says NOT_SERVING so routers stop."""
+        log.error("prefill engine failed: %s; failing its jobs and leaving service", message)
+        self.broken = message
+        self.scheduler.fail_all(message)
+        self.on_broken()
+
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        if self.broken:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this prefill instance's engine failed: {self.broken}")
         await self.admission.refuse_if_draining(context)
         with self.admission.track():
             return await self._prefill(request, context)
@@ -147,6 +164,9 @@ async def serve(served: ServedModel, settings: PrefillSettings) -> None:
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
+    loop = asyncio.get_running_loop()
+    servicer.on_broken = lambda: loop.call_soon_threadsafe(
+        lambda: asyncio.ensure_future(server.set_serving(False)))
     servicer.loop.start()
 
     async def on_stop() -> None:
