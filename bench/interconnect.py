@@ -161,7 +161,7 @@ def conditions(args) -> dict:
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.machine()
 

@@ -10,4 +10,6 @@ if ! command -v prometheus >/dev/null; then
   apt-get install -y -q prometheus >/dev/null 2>&1 || \
     { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }
 fi
+# Lint first: seconds, and a clear message before the long run.
+.venv/bin/ruff check pdserve services tests bench
 exec .venv/bin/python -m pytest -q "$@"

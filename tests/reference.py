@@ -7,7 +7,6 @@ may legitimately break the other way), and counts how often that happens.
 
 from dataclasses import dataclass
 
-import torch
 
 from pdserve.models.loading import load_served_model
 from pdserve.models.tinygpt import TinyGPT

@@ -5,7 +5,6 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from procs import start_service, wait_until
 from reference import model

@@ -1,7 +1,6 @@
 """Request handling through real servers: load, sampling, bad input, cancellation."""
 
 import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc

@@ -99,12 +99,13 @@ class LeaseTable:
     def expire(self) -> int:
         """Voids every uncommitted lease past its expiry; returns how many."""
         now = time.monotonic()
-        late = [l for l in self._leases.values()
-                if l.state is not LeaseState.COMMITTED and now > l.expires_at]
+        late = [lease for lease in self._leases.values()
+                if lease.state is not LeaseState.COMMITTED and now > lease.expires_at]
         for lease in late:
             self.void(lease, "lease expired before its KV was committed")
         return len(late)
 
     @property
     def pending(self) -> int:
-        return sum(1 for l in self._leases.values() if l.state is not LeaseState.COMMITTED)
+        return sum(1 for lease in self._leases.values()
+                   if lease.state is not LeaseState.COMMITTED)
