@@ -266,3 +266,17 @@ def test_decode_buckets_bound_the_padding():
         longest = max(spread[i] for i in group)
         assert all(longest - spread[i] <= max(0.25 * longest, 64) for i in group)
     assert sorted(i for g in buckets_by_length(spread) for i in g) == list(range(len(spread)))
+
+
+def test_a_retry_never_goes_first_to_an_instance_that_just_failed():
+    """BackendSet.ordered puts the instances a request must avoid last, whatever the rotation."""
+    from services.router.backends import BackendSet, Instance
+    backends = BackendSet("prefill", [], lambda channel: None, "f", "model")
+    for address in ("a:1", "b:1", "c:1"):
+        backends.instances[address] = Instance(address, None, None, healthy=True,
+                                               model_fingerprint="f")
+    for _ in range(6):  # every rotation
+        order = [i.address for i in backends.ordered({"a:1", "c:1"})]
+        assert order[0] == "b:1" and set(order[1:]) == {"a:1", "c:1"}
+    backends.instances["b:1"].mismatch = "serves another model"
+    assert "b:1" not in [i.address for i in backends.ordered()]
