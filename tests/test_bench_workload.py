@@ -192,7 +192,7 @@ def test_parameter_count_matches_model():
     config = ModelConfig()
     n = report.parameter_count(config)
     assert n == 5_905_408
-    torch = pytest.importorskip("torch")
+    import torch
     from pdserve.models.tinygpt import TinyGPT
     torch.manual_seed(0)
     small = ModelConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_context=128)

@@ -10,24 +10,18 @@ import time
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from pdserve.models import gguf_import
 from pdserve.models.gguf_import import OUTPUT_FILES, converted_dir, ensure_converted
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-
-def _gguf_or_skip():
-    try:
-        return gguf_import.smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    return _gguf_or_skip()
+    # The install step puts the wheel there; a missing one is a failure, not a skip.
+    return gguf_import.smollm2_gguf_path()
 
 
 @pytest.fixture(scope="module")
