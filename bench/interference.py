@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.bench.stats import percentile
-from pdserve.localstack import Service, start_router, start_service
+from pdserve.localstack import Service, start_pinned_disaggregated, start_service
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -63,14 +63,11 @@ class Run:
 
 
 def start_config(name: str, model: str, tmp: str) -> tuple[str, list[Service]]:
-    common = ("--model", model)
     if name == "disaggregated":
-        decode = start_service("decode", *common, "--cpus", "1", tmp_dir=tmp)
-        prefill = start_service("prefill", *common, "--cpus", "0", tmp_dir=tmp)
-        router = start_router([prefill], [decode], *common, "--cpus", "1", tmp_dir=tmp)
-        return router.address, [router, prefill, decode]
+        router, services = start_pinned_disaggregated(model, tmp)
+        return router.address, services
     chunk = "256" if name == "colocated-chunked" else "0"
-    engine = start_service("colocated", *common, "--cpus", "0-1", "--prefill-chunk-tokens",
+    engine = start_service("colocated", "--model", model, "--cpus", "0-1", "--prefill-chunk-tokens",
                            chunk, tmp_dir=tmp)
     return engine.address, [engine]
 

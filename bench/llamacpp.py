@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.bench.stats import percentile
-from pdserve.localstack import free_port, start_router, start_service, wait_until
+from pdserve.localstack import free_port, start_pinned_disaggregated, start_service, wait_until
 from pdserve.models.gguf_import import smollm2_gguf_path
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -141,11 +141,9 @@ def main() -> int:
     p.add_argument("--out", default=str(RESULTS / "llamacpp"))
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdserve-llamacpp-")
-    model = ("--model", "smollm2-135m-instruct")
-    decode = start_service("decode", *model, "--cpus", "1", tmp_dir=tmp)
-    prefill = start_service("prefill", *model, "--cpus", "0", tmp_dir=tmp)
-    router = start_router([prefill], [decode], *model, "--cpus", "1", tmp_dir=tmp)
-    colocated = start_service("colocated", *model, "--cpus", "0-1", tmp_dir=tmp)
+    router, stack = start_pinned_disaggregated("smollm2-135m-instruct", tmp)
+    colocated = start_service("colocated", "--model", "smollm2-135m-instruct", "--cpus", "0-1",
+                              tmp_dir=tmp)
     llama, port = start_llama(args.llama_server, args.streams, tmp)
     systems = {"pdserve disaggregated": lambda t: run_pdserve(router.address, t, args.tokens),
                "pdserve colocated (chunked)": lambda t: run_pdserve(colocated.address, t,
@@ -163,7 +161,7 @@ def main() -> int:
     finally:
         llama.terminate()
         llama.wait(30)
-        for service in (router, prefill, decode, colocated):
+        for service in (*stack, colocated):
             service.stop()
     report = {"conditions": _conditions(args), "systems": {
         n: {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),

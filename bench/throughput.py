@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from pdserve.localstack import start_router, start_service
+from pdserve.localstack import start_pinned_disaggregated
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -80,10 +80,7 @@ def main() -> int:
     p.add_argument("--out", default=str(RESULTS / "throughput"))
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdserve-throughput-")
-    model = ("--model", args.model)
-    decode = start_service("decode", *model, "--cpus", "1", tmp_dir=tmp)
-    prefill = start_service("prefill", *model, "--cpus", "0", tmp_dir=tmp)
-    router = start_router([prefill], [decode], *model, "--cpus", "1", tmp_dir=tmp)
+    router, stack = start_pinned_disaggregated(args.model, tmp)
     os.sched_setaffinity(0, {1})  # the ceiling runs where decode runs, with one thread
     torch.set_num_threads(1)
     setup = Setup(args.model)
@@ -96,7 +93,7 @@ def main() -> int:
             rows["ceiling"].append(ceiling(setup, args.batch, args.tokens))
             print({k: round(v[-1], 1) for k, v in rows.items()}, flush=True)
     finally:
-        for service in (router, prefill, decode):
+        for service in stack:
             service.stop()
     ratios = [s / c for s, c in zip(rows["served"], rows["ceiling"])]
     report = {"conditions": {

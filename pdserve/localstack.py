@@ -92,3 +92,13 @@ def start_router(prefills: list[Service], decodes: list[Service], *flags: str, t
                  port: int | None = None) -> Service:
     return start_service("router", "--prefill", *[p.address for p in prefills], "--decode",
                          *[d.address for d in decodes], *flags, tmp_dir=tmp_dir, port=port)
+
+
+def start_pinned_disaggregated(model: str, tmp_dir: str) -> tuple[Service, list[Service]]:
+    """The benchmarks' disaggregated placement on two CPUs: prefill on CPU 0, decode and the
+    (light) router on CPU 1. Returns the router and every service started, router first."""
+    flags = ("--model", model)
+    decode = start_service("decode", *flags, "--cpus", "1", tmp_dir=tmp_dir)
+    prefill = start_service("prefill", *flags, "--cpus", "0", tmp_dir=tmp_dir)
+    router = start_router([prefill], [decode], *flags, "--cpus", "1", tmp_dir=tmp_dir)
+    return router, [router, prefill, decode]

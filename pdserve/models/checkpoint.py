@@ -52,7 +52,7 @@ def model_config(directory: Path, dtype: str = "") -> ModelConfig:
         architecture=arch, vocab_size=fields.int("vocab_size"), d_model=fields.int("hidden_size"),
         n_layers=fields.int("num_hidden_layers"), n_heads=heads,
         n_kv_heads=fields.int("num_key_value_heads", heads),
-        head_size=fields.int("head_dim", 0) or 0, d_ff=fields.int("intermediate_size"),
+        head_size=fields.int("head_dim", 0), d_ff=fields.int("intermediate_size"),
         max_context=_context(fields, raw), dtype=dtype or _dtype(path, raw),
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -69,11 +69,12 @@ class _Fields:
         self.path, self.raw = path, raw
 
     def int(self, name: str, default: int | None = None) -> int:
-        value = self.raw.get(name, default)
-        if value is None and default is None and name not in self.raw:
-            raise CheckpointError(f"{self.path}: field {name!r} is missing")
+        """The field's integer value; `default` when absent or null, an error when required."""
+        value = self.raw.get(name)
         if value is None:
-            return default or 0
+            if default is None:
+                raise CheckpointError(f"{self.path}: field {name!r} is missing")
+            return default
         if not isinstance(value, int) or isinstance(value, bool):
             raise CheckpointError(f"{self.path}: field {name!r} is {value!r}, not an integer")
         return value

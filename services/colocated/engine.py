@@ -82,7 +82,7 @@ class ColocatedEngine:
     def _chunked_step(self) -> None:
         """schedule (decodes + prompt chunks) -> one forward -> sample decodes and first tokens."""
         batch = self.decode.schedule()
-        chunks = [c for c in self.chunks.take(self.chunk_tokens) if self._still_wanted(c)]
+        chunks = [c for c in self.chunks.take(self.chunk_tokens) if self._claim(c)]
         if not batch and not chunks:
             return
         start = time.perf_counter()
@@ -114,8 +114,9 @@ class ColocatedEngine:
             [PromptChunk(c.handle.table, c.start, c.end) for c in chunks])
         return self.model.decode_paged(tokens, positions, view, rows)
 
-    def _still_wanted(self, chunk: Chunk) -> bool:
-        """A prompt cancelled after its first chunk is dropped here, on the engine thread."""
+    def _claim(self, chunk: Chunk) -> bool:
+        """True when the chunk's prompt is still wanted (and notes when its prefill began); a
+        prompt cancelled after its first chunk is dropped here, on the engine thread."""
         handle = chunk.handle
         with handle.lock:
             if handle.cancelled:
