@@ -72,8 +72,9 @@ class Setup:
         blocks = max(sum(-(-(n + 1) // BLOCK_SIZE) for n in m) for m in MIXES.values())
         self.cache = PagedCache(self.config, blocks, BLOCK_SIZE)
         self.cache.kv.normal_()  # touched, as a serving pool's memory is
-        self.weight_bytes = sum(p.numel() * p.element_size()
-                                for p in self.served.model.parameters())
+        self.weight_bytes = sum(
+            p.numel() * p.element_size() for p in self.served.model.parameters()
+        )
 
     def step_seconds(self, lengths: list[int]) -> float:
         pool = BlockPool(self.cache.kv.shape[3] // BLOCK_SIZE, BLOCK_SIZE)
@@ -100,21 +101,31 @@ def measure(setup: Setup, repeats: int, bandwidth: float) -> dict:
     for name, lengths in MIXES.items():
         limit = (setup.weight_bytes + setup.kv_bytes(lengths)) / bandwidth
         median = statistics.median(times[name])
-        rows[name] = {"step_ms": median * 1e3, "min_ms": min(times[name]) * 1e3,
-                      "max_ms": max(times[name]) * 1e3, "limit_ms": limit * 1e3,
-                      "ratio_to_limit": median / limit, "kv_bytes": setup.kv_bytes(lengths)}
+        rows[name] = {
+            "step_ms": median * 1e3,
+            "min_ms": min(times[name]) * 1e3,
+            "max_ms": max(times[name]) * 1e3,
+            "limit_ms": limit * 1e3,
+            "ratio_to_limit": median / limit,
+            "kv_bytes": setup.kv_bytes(lengths),
+        }
     long_read = setup.kv_bytes([LONG]) / bandwidth  # a sequence of LONG cached tokens
     expected = rows[ITS_BASE]["step_ms"] / 1e3 + long_read
-    return {"weight_bytes": setup.weight_bytes, "mixes": rows,
-            "long_mix_vs_base_plus_its_kv": rows[LONG_MIX]["step_ms"] / 1e3 / expected,
-            "prefill": prefill_rates(setup, repeats)}
+    return {
+        "weight_bytes": setup.weight_bytes,
+        "mixes": rows,
+        "long_mix_vs_base_plus_its_kv": rows[LONG_MIX]["step_ms"] / 1e3 / expected,
+        "prefill": prefill_rates(setup, repeats),
+    }
 
 
 def prefill_rates(setup: Setup, repeats: int) -> dict:
     """Tokens/s of one prompt per length, median of `repeats` interleaved runs."""
     gen = torch.Generator().manual_seed(0)
-    prompts = {n: torch.randint(3, setup.config.vocab_size, (n,), generator=gen).tolist()
-               for n in PREFILL_LENGTHS}
+    prompts = {
+        n: torch.randint(3, setup.config.vocab_size, (n,), generator=gen).tolist()
+        for n in PREFILL_LENGTHS
+    }
     rates: dict[int, list[float]] = {n: [] for n in PREFILL_LENGTHS}
     for round_ in range(repeats + 1):
         for n, prompt in prompts.items():
@@ -122,44 +133,74 @@ def prefill_rates(setup: Setup, repeats: int) -> dict:
             setup.served.model.prefill_packed([prompt], lambda *kv: None)
             if round_:  # the first round warms up
                 rates[n].append(n / (time.perf_counter() - start))
-    rows = {str(n): {"tokens_per_s": statistics.median(r), "min": min(r), "max": max(r)}
-            for n, r in rates.items()}
+    rows = {
+        str(n): {"tokens_per_s": statistics.median(r), "min": min(r), "max": max(r)}
+        for n, r in rates.items()
+    }
     rows["ratio_3000_to_256"] = rows["3000"]["tokens_per_s"] / rows["256"]["tokens_per_s"]
     return rows
 
 
 def conditions(args) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
-            "cores": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-            "repeats": args.repeats, "block_size": BLOCK_SIZE, "load_average": os.getloadavg(),
-            "workload": "one decode step over batches of the listed context lengths, token 5"}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "block_size": BLOCK_SIZE,
+        "load_average": os.getloadavg(),
+        "workload": "one decode step over batches of the listed context lengths, token 5",
+    }
 
 
 def markdown(result: dict) -> str:
     c = result["conditions"]
-    lines = [f"# Decode step against the memory-bound limit ({c['date']})", "",
-             f"{c['cpu']}, {c['threads']} torch thread(s), torch {c['torch']}, block size "
-             f"{c['block_size']}, median of {c['repeats']} interleaved runs (min-max). Copy "
-             f"bandwidth measured in the run: {result['copy_gb_s']:.1f} GB/s.", ""]
+    lines = [
+        f"# Decode step against the memory-bound limit ({c['date']})",
+        "",
+        f"{c['cpu']}, {c['threads']} torch thread(s), torch {c['torch']}, block size "
+        f"{c['block_size']}, median of {c['repeats']} interleaved runs (min-max). Copy "
+        f"bandwidth measured in the run: {result['copy_gb_s']:.1f} GB/s.",
+        "",
+    ]
     for model, r in result["models"].items():
-        lines += [f"## {model} ({r['dtype']}, weights {r['weight_bytes'] / 2**20:.0f} MiB)", "",
-                  "| batch | step ms | limit ms | step / limit |", "|---|---:|---:|---:|"]
+        lines += [
+            f"## {model} ({r['dtype']}, weights {r['weight_bytes'] / 2**20:.0f} MiB)",
+            "",
+            "| batch | step ms | limit ms | step / limit |",
+            "|---|---:|---:|---:|",
+        ]
         for name, row in r["mixes"].items():
-            lines.append(f"| {name} | {row['step_ms']:.1f} ({row['min_ms']:.1f}-"
-                         f"{row['max_ms']:.1f}) | {row['limit_ms']:.1f} | "
-                         f"{row['ratio_to_limit']:.2f} |")
-        lines += ["", f"31x200+1x3000 against 31x200 plus the long sequence's own KV read: "
-                  f"{r['long_mix_vs_base_plus_its_kv']:.2f}x (goal <= 1.3)", "",
-                  "| prefill, one prompt | tokens/s |", "|---|---:|"]
+            lines.append(
+                f"| {name} | {row['step_ms']:.1f} ({row['min_ms']:.1f}-"
+                f"{row['max_ms']:.1f}) | {row['limit_ms']:.1f} | "
+                f"{row['ratio_to_limit']:.2f} |"
+            )
+        lines += [
+            "",
+            f"31x200+1x3000 against 31x200 plus the long sequence's own KV read: "
+            f"{r['long_mix_vs_base_plus_its_kv']:.2f}x (goal <= 1.3)",
+            "",
+            "| prefill, one prompt | tokens/s |",
+            "|---|---:|",
+        ]
         pre = r["prefill"]
         for n in PREFILL_LENGTHS:
             row = pre[str(n)]
-            lines.append(f"| {n} tokens | {row['tokens_per_s']:.0f} ({row['min']:.0f}-"
-                         f"{row['max']:.0f}) |")
-        lines += ["", f"3,000 against 256 tokens: {pre['ratio_3000_to_256']:.2f} (goal >= 0.6)",
-                  ""]
+            lines.append(
+                f"| {n} tokens | {row['tokens_per_s']:.0f} ({row['min']:.0f}-{row['max']:.0f}) |"
+            )
+        lines += ["", f"3,000 against 256 tokens: {pre['ratio_3000_to_256']:.2f} (goal >= 0.6)", ""]
     return "\n".join(lines)
 
 
@@ -175,8 +216,10 @@ def main() -> int:
     result["copy_gb_s"] = copy_bandwidth() / 1e9
     for name in args.models.split(","):
         setup = Setup(name)
-        result["models"][name] = {"dtype": setup.config.dtype,
-                                  **measure(setup, args.repeats, result["copy_gb_s"] * 1e9)}
+        result["models"][name] = {
+            "dtype": setup.config.dtype,
+            **measure(setup, args.repeats, result["copy_gb_s"] * 1e9),
+        }
         del setup
     Path(args.out + ".json").write_text(json.dumps(result, indent=2))
     Path(args.out + ".md").write_text(markdown(result))

@@ -39,8 +39,21 @@ class Link:
         for ns in (self.ns_a, self.ns_b):
             _run("ip", "netns", "add", ns)
             self.exec_in(ns, "ip", "link", "set", "lo", "up")
-        _run("ip", "link", "add", self.dev_a, "netns", self.ns_a, "type", "veth", "peer", "name",
-             self.dev_b, "netns", self.ns_b)
+        _run(
+            "ip",
+            "link",
+            "add",
+            self.dev_a,
+            "netns",
+            self.ns_a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.dev_b,
+            "netns",
+            self.ns_b,
+        )
         for ns, dev, addr in ((self.ns_a, self.dev_a, ADDR_A), (self.ns_b, self.dev_b, ADDR_B)):
             self.exec_in(ns, "ip", "addr", "add", f"{addr}/30", "dev", dev)
             self.exec_in(ns, "ip", "link", "set", dev, "up")
@@ -51,13 +64,29 @@ class Link:
     def shape(self, rate_bps: float | None) -> None:
         """A token bucket at `rate_bps` on both ends (None: unshaped)."""
         for ns, dev in ((self.ns_a, self.dev_a), (self.ns_b, self.dev_b)):
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                           capture_output=True)
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                capture_output=True,
+            )
             if rate_bps:
                 # Burst of at least one timer tick's worth of bytes, or tbf cannot reach the rate.
                 burst = max(int(rate_bps / 8 / 100), 64 * 1024)
-                self.exec_in(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                             f"{int(rate_bps)}bit", "burst", str(burst), "latency", "2s")
+                self.exec_in(
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{int(rate_bps)}bit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "2s",
+                )
 
     def close(self) -> None:
         for ns in (self.ns_a, self.ns_b):
@@ -70,8 +99,24 @@ def _run(*cmd: str) -> None:
 
 def start_in(ns: str, log_dir: str, role: str, port: int, *flags: str) -> subprocess.Popen:
     log = open(os.path.join(log_dir, f"{role}.log"), "w")
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli", "serve", role,
-           "--host", "0.0.0.0", "--port", str(port), "--torch-threads", "1", *flags]
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        role,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--torch-threads",
+        "1",
+        *flags,
+    ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -80,8 +125,21 @@ def wait_serving(ns: str, port: int, procs: list[subprocess.Popen]) -> None:
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a service exited during start-up")
-        ok = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli",
-                             "health", f"127.0.0.1:{port}"], capture_output=True, timeout=30)
+        ok = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "health",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            timeout=30,
+        )
         if ok.returncode == 0:
             return
         time.sleep(0.5)
@@ -94,21 +152,29 @@ def probe(address: str, lengths: list[int], reps: int) -> list[dict]:
 
     from pdserve.v1 import pdserve_pb2 as pb
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
     rows = []
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.RouterStub(channel)
         for n in lengths:
             for rep in range(reps + 1):  # the first of each length warms up and is dropped
-                request = pb.GenerateRequest(prompt_token_ids=[(i * 7 + rep) % 256 for i in range(n)],
-                                             sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+                request = pb.GenerateRequest(
+                    prompt_token_ids=[(i * 7 + rep) % 256 for i in range(n)],
+                    sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True),
+                )
                 last = list(stub.Generate(request, timeout=300))[-1]
                 if rep:
                     m = last.metrics
-                    rows.append({"prompt_tokens": n, "handoff_bytes": m.handoff_bytes,
-                                 "handoff_s": m.handoff_seconds,
-                                 "exposed_s": m.handoff_exposed_seconds,
-                                 "ttft_s": m.time_to_first_token_seconds,
-                                 "prefill_s": m.prefill_seconds})
+                    rows.append(
+                        {
+                            "prompt_tokens": n,
+                            "handoff_bytes": m.handoff_bytes,
+                            "handoff_s": m.handoff_seconds,
+                            "exposed_s": m.handoff_exposed_seconds,
+                            "ttft_s": m.time_to_first_token_seconds,
+                            "prefill_s": m.prefill_seconds,
+                        }
+                    )
     return rows
 
 
@@ -120,20 +186,49 @@ def measure(rates: list[str], lengths: list[int], reps: int) -> list[dict]:
         decode_port, prefill_port, router_port = free_port(), free_port(), free_port()
         procs.append(start_in(link.ns_b, log_dir, "decode", decode_port))
         procs.append(start_in(link.ns_a, log_dir, "prefill", prefill_port))
-        procs.append(start_in(link.ns_a, log_dir, "router", router_port, "--prefill",
-                              f"127.0.0.1:{prefill_port}", "--decode", f"{ADDR_B}:{decode_port}"))
+        procs.append(
+            start_in(
+                link.ns_a,
+                log_dir,
+                "router",
+                router_port,
+                "--prefill",
+                f"127.0.0.1:{prefill_port}",
+                "--decode",
+                f"{ADDR_B}:{decode_port}",
+            )
+        )
         wait_serving(link.ns_a, router_port, procs)
         rows = []
         for name in rates:
             link.shape(RATES[name])
-            out = subprocess.run(["ip", "netns", "exec", link.ns_a, sys.executable, __file__,
-                                  "--probe", f"127.0.0.1:{router_port}", "--lengths",
-                                  *map(str, lengths), "--reps", str(reps)],
-                                 check=True, capture_output=True, text=True, timeout=1200)
+            out = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    link.ns_a,
+                    sys.executable,
+                    __file__,
+                    "--probe",
+                    f"127.0.0.1:{router_port}",
+                    "--lengths",
+                    *map(str, lengths),
+                    "--reps",
+                    str(reps),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
             for row in json.loads(out.stdout):
                 rate = RATES[name]
-                row.update(link=name, rate_bps=rate,
-                           predicted_s=row["handoff_bytes"] * 8 / rate if rate else None)
+                row.update(
+                    link=name,
+                    rate_bps=rate,
+                    predicted_s=row["handoff_bytes"] * 8 / rate if rate else None,
+                )
                 rows.append(row)
         return rows
     finally:
@@ -149,25 +244,36 @@ def measure(rates: list[str], lengths: list[int], reps: int) -> list[dict]:
 
 def conditions(args) -> dict:
     config = ModelConfig()
-    return {"model": "TinyGPT (random weights)", "kv_bytes_per_token": config.kv_bytes_per_token,
-            "cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": _version("torch"), "grpcio": _version("grpcio"),
-            "link": "veth between two network namespaces, tc tbf rate both ways, no added delay",
-            "prompt_lengths": args.lengths, "reps": args.reps,
-            "output_tokens": 2, "requests": "one at a time",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    return {
+        "model": "TinyGPT (random weights)",
+        "kv_bytes_per_token": config.kv_bytes_per_token,
+        "cpu": _cpu(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "grpcio": _version("grpcio"),
+        "link": "veth between two network namespaces, tc tbf rate both ways, no added delay",
+        "prompt_lengths": args.lengths,
+        "reps": args.reps,
+        "output_tokens": 2,
+        "requests": "one at a time",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
 
 
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.machine()
 
 
 def _version(package: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(package)
     except PackageNotFoundError:
@@ -175,39 +281,76 @@ def _version(package: str) -> str:
 
 
 def summarize(rows: list[dict]) -> str:
-    lines = [f"{'link':>9} {'tokens':>6} {'KV MiB':>7} {'predicted':>10} {'measured':>10} "
-             f"{'ratio':>6} {'prefill':>8} {'exposed':>8} {'TTFT':>8}"]
+    lines = [
+        f"{'link':>9} {'tokens':>6} {'KV MiB':>7} {'predicted':>10} {'measured':>10} "
+        f"{'ratio':>6} {'prefill':>8} {'exposed':>8} {'TTFT':>8}"
+    ]
     for r in rows:
         pred = f"{r['predicted_s'] * 1e3:8.1f}ms" if r["predicted_s"] else f"{'-':>10}"
         ratio = f"{r['handoff_s'] / r['predicted_s']:6.2f}" if r["predicted_s"] else f"{'-':>6}"
-        lines.append(f"{r['link']:>9} {r['prompt_tokens']:>6} {r['handoff_bytes'] / 2**20:7.2f} "
-                     f"{pred} {r['handoff_s'] * 1e3:8.1f}ms {ratio} "
-                     f"{r['prefill_s'] * 1e3:6.1f}ms {r['exposed_s'] * 1e3:6.1f}ms "
-                     f"{r['ttft_s'] * 1e3:6.1f}ms")
+        lines.append(
+            f"{r['link']:>9} {r['prompt_tokens']:>6} {r['handoff_bytes'] / 2**20:7.2f} "
+            f"{pred} {r['handoff_s'] * 1e3:8.1f}ms {ratio} "
+            f"{r['prefill_s'] * 1e3:6.1f}ms {r['exposed_s'] * 1e3:6.1f}ms "
+            f"{r['ttft_s'] * 1e3:6.1f}ms"
+        )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for color, name in zip(("C0", "C1", "C2", "C3"), dict.fromkeys(r["link"] for r in rows)):
         sel = [r for r in rows if r["link"] == name]
         mib = [r["handoff_bytes"] / 2**20 for r in sel]
-        left.plot(mib, [r["handoff_s"] * 1e3 for r in sel], "o", color=color,
-                  label=f"{name}: first chunk to commit")
-        left.plot(mib, [r["exposed_s"] * 1e3 for r in sel], "x", color=color,
-                  label=f"{name}: exposed (after compute)")
+        left.plot(
+            mib,
+            [r["handoff_s"] * 1e3 for r in sel],
+            "o",
+            color=color,
+            label=f"{name}: first chunk to commit",
+        )
+        left.plot(
+            mib,
+            [r["exposed_s"] * 1e3 for r in sel],
+            "x",
+            color=color,
+            label=f"{name}: exposed (after compute)",
+        )
         if sel[0]["predicted_s"]:
-            left.plot(mib, [r["predicted_s"] * 1e3 for r in sel], "-", color=color, alpha=0.5,
-                      label=f"{name}: bytes / rate")
-        right.plot([r["prefill_s"] * 1e3 for r in sel], [r["ttft_s"] * 1e3 for r in sel], "o",
-                   color=color, label=name)
-    left.set(xscale="log", yscale="log", xlabel="KV cache per request (MiB)",
-             ylabel="handoff latency (ms)", title="Handoff: measured vs bytes / link rate")
-    right.set(xscale="log", yscale="log", xlabel="prefill compute (ms)",
-              ylabel="time to first token (ms)", title="A slow link turns prefill into a stall")
+            left.plot(
+                mib,
+                [r["predicted_s"] * 1e3 for r in sel],
+                "-",
+                color=color,
+                alpha=0.5,
+                label=f"{name}: bytes / rate",
+            )
+        right.plot(
+            [r["prefill_s"] * 1e3 for r in sel],
+            [r["ttft_s"] * 1e3 for r in sel],
+            "o",
+            color=color,
+            label=name,
+        )
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="KV cache per request (MiB)",
+        ylabel="handoff latency (ms)",
+        title="Handoff: measured vs bytes / link rate",
+    )
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prefill compute (ms)",
+        ylabel="time to first token (ms)",
+        title="A slow link turns prefill into a stall",
+    )
     lims = [min(r["prefill_s"] for r in rows) * 1e3, max(r["ttft_s"] for r in rows) * 1e3]
     right.plot(lims, lims, "k--", alpha=0.3, label="TTFT = prefill")
     left.legend(fontsize=7)

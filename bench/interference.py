@@ -67,8 +67,9 @@ def start_config(name: str, model: str, tmp: str) -> tuple[str, list[Service]]:
         router, services = start_pinned_disaggregated(model, tmp)
         return router.address, services
     chunk = "256" if name == "colocated-chunked" else "0"
-    engine = start_service("colocated", "--model", model, "--cpus", "0-1", "--prefill-chunk-tokens",
-                           chunk, tmp_dir=tmp)
+    engine = start_service(
+        "colocated", "--model", model, "--cpus", "0-1", "--prefill-chunk-tokens", chunk, tmp_dir=tmp
+    )
     return engine.address, [engine]
 
 
@@ -77,8 +78,10 @@ def one_run(address: str, w: Workload, loaded: bool, rng: random.Random) -> Run:
     start = time.perf_counter()
 
     def stream(prompt: list[int]) -> None:
-        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_tokens=w.stream_tokens, ignore_eos=True))
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(max_tokens=w.stream_tokens, ignore_eos=True),
+        )
         last = None
         for response in stub.Generate(request, timeout=300):
             now = time.perf_counter()
@@ -91,8 +94,10 @@ def one_run(address: str, w: Workload, loaded: bool, rng: random.Random) -> Run:
     def long_request(prompt: list[int], delay: float) -> None:
         time.sleep(delay)  # the arrival schedule, not a wait for a condition
         sent = time.perf_counter()
-        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_tokens=w.long_tokens, ignore_eos=True))
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(max_tokens=w.long_tokens, ignore_eos=True),
+        )
         first = None
         for response in stub.Generate(request, timeout=300):
             first = first or time.perf_counter()
@@ -104,12 +109,18 @@ def one_run(address: str, w: Workload, loaded: bool, rng: random.Random) -> Run:
 
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.RouterStub(channel)
-        threads = [threading.Thread(target=stream, args=(_prompt(rng, w.stream_prompt),))
-                   for _ in range(w.streams)]
+        threads = [
+            threading.Thread(target=stream, args=(_prompt(rng, w.stream_prompt),))
+            for _ in range(w.streams)
+        ]
         if loaded:
-            threads += [threading.Thread(target=long_request, args=(
-                _prompt(rng, w.long_prompt), w.first_long_after + i * w.long_gap))
-                for i in range(w.long_prompts)]
+            threads += [
+                threading.Thread(
+                    target=long_request,
+                    args=(_prompt(rng, w.long_prompt), w.first_long_after + i * w.long_gap),
+                )
+                for i in range(w.long_prompts)
+            ]
         for t in threads:
             t.start()
         for t in threads:
@@ -124,8 +135,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def summarize(run: Run) -> dict:
     gaps = [g * 1e3 for _, g in run.itl]
-    out = {"itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99),
-           "itl_max_ms": max(gaps), "output_tokens_per_s": run.output_tokens / run.seconds}
+    out = {
+        "itl_p50_ms": percentile(gaps, 50),
+        "itl_p99_ms": percentile(gaps, 99),
+        "itl_max_ms": max(gaps),
+        "output_tokens_per_s": run.output_tokens / run.seconds,
+    }
     if run.long_ttft:
         out["long_ttft_median_ms"] = statistics.median(run.long_ttft) * 1e3
         out["long_ttft_max_ms"] = max(run.long_ttft) * 1e3
@@ -133,15 +148,22 @@ def summarize(run: Run) -> dict:
 
 
 def aggregate(rows: list[dict]) -> dict:
-    return {k: {"median": statistics.median(r[k] for r in rows),
-                "min": min(r[k] for r in rows), "max": max(r[k] for r in rows)}
-            for k in rows[0]}
+    return {
+        k: {
+            "median": statistics.median(r[k] for r in rows),
+            "min": min(r[k] for r in rows),
+            "max": max(r[k] for r in rows),
+        }
+        for k in rows[0]
+    }
 
 
 def chart(samples: dict[str, Run], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(len(samples), 1, figsize=(9, 2.4 * len(samples)), sharex=True)
     for ax, (name, run) in zip(axes, samples.items()):
         ax.scatter([t for t, _ in run.itl], [g * 1e3 for _, g in run.itl], s=2)
@@ -149,8 +171,9 @@ def chart(samples: dict[str, Run], path: Path) -> None:
             ax.axvline(arrival, color="red", lw=0.6)
         ax.set_yscale("log")
         ax.set_ylabel("ITL ms")
-        ax.set_title(f"{name}: streams' inter-token latency (red: a long prompt arrives)",
-                     fontsize=9)
+        ax.set_title(
+            f"{name}: streams' inter-token latency (red: a long prompt arrives)", fontsize=9
+        )
     axes[-1].set_xlabel("seconds since the streams started")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -178,16 +201,18 @@ def main() -> int:
                     results[name][phase].append(summarize(run))
                     if phase == "loaded":
                         samples[name] = run
-                    print(name, phase, {k: round(v, 1) for k, v in summarize(run).items()},
-                          flush=True)
+                    print(
+                        name, phase, {k: round(v, 1) for k, v in summarize(run).items()}, flush=True
+                    )
     finally:
         for _, services in started.values():
             for service in services:
                 service.stop()
-    report = {"conditions": conditions(args, w),
-              "configs": {n: {ph: aggregate(rows) for ph, rows in r.items()}
-                          for n, r in results.items()},
-              "runs": results}
+    report = {
+        "conditions": conditions(args, w),
+        "configs": {n: {ph: aggregate(rows) for ph, rows in r.items()} for n, r in results.items()},
+        "runs": results,
+    }
     Path(args.out + ".json").write_text(json.dumps(report, indent=2))
     Path(args.out + ".md").write_text(markdown(report))
     chart(samples, Path(args.out + ".png"))
@@ -197,30 +222,51 @@ def main() -> int:
 
 def conditions(args, w: Workload) -> dict:
     import torch
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "?")
-    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": args.model, "cpu": cpu, "cpus_used": "0-1", "torch": torch.__version__,
-            "repeats": args.repeats, "workload": w.__dict__, "load_average": os.getloadavg()}
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        "?",
+    )
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model,
+        "cpu": cpu,
+        "cpus_used": "0-1",
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "workload": w.__dict__,
+        "load_average": os.getloadavg(),
+    }
 
 
 def markdown(report: dict) -> str:
     c, w = report["conditions"], report["conditions"]["workload"]
-    lines = [f"# Interference: long prompts arriving while streams decode ({c['date']})", "",
-             f"{c['model']}, {c['cpu']}, CPUs {c['cpus_used']}, torch {c['torch']}; "
-             f"{w['streams']} streams of {w['stream_tokens']} tokens from {w['stream_prompt']}-token "
-             f"prompts; loaded: {w['long_prompts']} prompts of {w['long_prompt']} tokens "
-             f"({w['long_tokens']} output tokens) arriving every {w['long_gap']} s from "
-             f"{w['first_long_after']} s; seed {w['seed']}; median (min-max) of {c['repeats']} "
-             f"interleaved repeats.", "",
-             "| configuration | phase | ITL p50 ms | ITL p99 ms | ITL max ms | long TTFT ms "
-             "(median) | output tok/s |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Interference: long prompts arriving while streams decode ({c['date']})",
+        "",
+        f"{c['model']}, {c['cpu']}, CPUs {c['cpus_used']}, torch {c['torch']}; "
+        f"{w['streams']} streams of {w['stream_tokens']} tokens from {w['stream_prompt']}-token "
+        f"prompts; loaded: {w['long_prompts']} prompts of {w['long_prompt']} tokens "
+        f"({w['long_tokens']} output tokens) arriving every {w['long_gap']} s from "
+        f"{w['first_long_after']} s; seed {w['seed']}; median (min-max) of {c['repeats']} "
+        f"interleaved repeats.",
+        "",
+        "| configuration | phase | ITL p50 ms | ITL p99 ms | ITL max ms | long TTFT ms "
+        "(median) | output tok/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for name, phases in report["configs"].items():
         for phase, a in phases.items():
             ttft = _cell(a["long_ttft_median_ms"]) if "long_ttft_median_ms" in a else "-"
-            lines.append(f"| {name} | {phase} | {_cell(a['itl_p50_ms'])} | "
-                         f"{_cell(a['itl_p99_ms'])} | {_cell(a['itl_max_ms'])} | {ttft} | "
-                         f"{_cell(a['output_tokens_per_s'])} |")
+            lines.append(
+                f"| {name} | {phase} | {_cell(a['itl_p50_ms'])} | "
+                f"{_cell(a['itl_p99_ms'])} | {_cell(a['itl_max_ms'])} | {ttft} | "
+                f"{_cell(a['output_tokens_per_s'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 

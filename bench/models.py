@@ -126,15 +126,17 @@ def pdserve_generate(served: ServedModel, prompts: list[list[int]], new_tokens: 
     service's own scheduler until every sequence has `new_tokens` tokens."""
     cache, tables = _paged_cache_for(served, prompts, new_tokens)
     slots = [s for table, p in zip(tables, prompts) for s in table.slots(0, len(p))]
-    specs = [GenerateSpec(f"bench-{i}", tuple(p), SamplingSpec(max_tokens=new_tokens,
-                                                               ignore_eos=True))
-             for i, p in enumerate(prompts)]
+    specs = [
+        GenerateSpec(f"bench-{i}", tuple(p), SamplingSpec(max_tokens=new_tokens, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     scheduler = DecodeScheduler(served.model, served.tokenizer, cache, max_batch=len(prompts))
     outputs: list[list[int]] = [[] for _ in prompts]
 
     started = time.perf_counter()
     logits = served.model.prefill_packed(
-        prompts, lambda layer, k, v: cache.write(layer, slots, k, v))
+        prompts, lambda layer, k, v: cache.write(layer, slots, k, v)
+    )
     first = sample(logits, [s.sampling for s in specs], [0] * len(specs))
     first_at = time.perf_counter()
     for i, (spec, table) in enumerate(zip(specs, tables)):
@@ -182,11 +184,17 @@ def transformers_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id:
     clock = _StepClock()
     with torch.inference_mode():
         started = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          pad_token_id=pad_id, streamer=clock)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+            streamer=clock,
+        )
         ended = time.perf_counter()
-    outputs = out[:, ids.shape[1]:].tolist()
+    outputs = out[:, ids.shape[1] :].tolist()
     return _generate_sample(prompts, new_tokens, started, clock.times[1], ended, outputs)
 
 
@@ -201,9 +209,13 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 def _generate_sample(prompts, new_tokens, started, first_at, ended, outputs) -> Sample:
     """Decode tokens/s counts the tokens after the first (the first comes from prefill)."""
     batch = len(prompts)
-    return Sample(tokens=batch * (new_tokens - 1), seconds=ended - first_at,
-                  total_seconds=ended - started, total_tokens=batch * new_tokens,
-                  outputs=outputs)
+    return Sample(
+        tokens=batch * (new_tokens - 1),
+        seconds=ended - first_at,
+        total_seconds=ended - started,
+        total_tokens=batch * new_tokens,
+        outputs=outputs,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +233,7 @@ class Contenders:
 
 def load(dtype: str) -> Contenders:
     from transformers import AutoModelForCausalLM
+
     served = load_served_model(MODEL, dtype=dtype, weights=True)
     hf = AutoModelForCausalLM.from_pretrained(served.source, dtype=getattr(torch, dtype)).eval()
     eos = hf.generation_config.eos_token_id
@@ -232,8 +245,11 @@ def run_case(c: Contenders, case: str, impl: str, w: Workload) -> Sample:
     gc.collect()  # garbage from the previous run is not collected inside this one
     if case == "prefill":
         prompt = random_prompts(w.seed, 1, w.prefill_len, c.served.config.vocab_size)[0]
-        return pdserve_prefill(c.served, prompt) if impl == "pdserve" else \
-            transformers_prefill(c.hf, prompt)
+        return (
+            pdserve_prefill(c.served, prompt)
+            if impl == "pdserve"
+            else transformers_prefill(c.hf, prompt)
+        )
     batch = int(case.removeprefix("decode-b"))
     prompts = random_prompts(w.seed + batch, batch, w.prompt_len, c.served.config.vocab_size)
     if impl == "pdserve":
@@ -241,8 +257,9 @@ def run_case(c: Contenders, case: str, impl: str, w: Workload) -> Sample:
     return transformers_generate(c.hf, prompts, w.new_tokens, c.pad_id)
 
 
-def measure_dtype(c: Contenders, w: Workload, repeats: int, warmup: int,
-                  log=print) -> dict[str, dict[str, list[Sample]]]:
+def measure_dtype(
+    c: Contenders, w: Workload, repeats: int, warmup: int, log=print
+) -> dict[str, dict[str, list[Sample]]]:
     """Every (case, impl) `warmup` times untimed, then `repeats` rounds. Each round runs every
     case on both sides back to back, and alternates which side goes first, so slow drift in the
     machine's load falls on both."""
@@ -250,8 +267,9 @@ def measure_dtype(c: Contenders, w: Workload, repeats: int, warmup: int,
     for case, impl in pairs:
         for _ in range(warmup):
             run_case(c, case, impl, w)
-    samples: dict[str, dict[str, list[Sample]]] = {case: {i: [] for i in IMPLS}
-                                                    for case in w.cases()}
+    samples: dict[str, dict[str, list[Sample]]] = {
+        case: {i: [] for i in IMPLS} for case in w.cases()
+    }
     for r in range(repeats):
         for case in w.cases():
             order = IMPLS if r % 2 == 0 else IMPLS[::-1]
@@ -259,8 +277,10 @@ def measure_dtype(c: Contenders, w: Workload, repeats: int, warmup: int,
                 s = run_case(c, case, impl, w)
                 s.load_1m = load_1m()
                 samples[case][impl].append(s)
-                log(f"  {c.dtype} repeat {r + 1}/{repeats} {case:<10} {impl:<12} "
-                    f"{s.tokens_per_second:8.1f} tok/s  (load {s.load_1m})")
+                log(
+                    f"  {c.dtype} repeat {r + 1}/{repeats} {case:<10} {impl:<12} "
+                    f"{s.tokens_per_second:8.1f} tok/s  (load {s.load_1m})"
+                )
     return samples
 
 
@@ -270,8 +290,13 @@ def measure_dtype(c: Contenders, w: Workload, repeats: int, warmup: int,
 
 
 def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values), "values": values}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": values,
+    }
 
 
 def compare(pd: dict, hf: dict) -> str:
@@ -288,22 +313,31 @@ def agreement(pd: list[Sample], hf: list[Sample]) -> dict:
     a near-tie, since the two compute in different orders; a mismatch in fp32 would be a bug."""
     a, b = pd[0].outputs, hf[0].outputs
     same = sum(x == y for x, y in zip(a, b))
-    first_diff = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
-                  for x, y in zip(a, b)]
-    return {"sequences": len(a), "identical": same,
-            "first_divergence": [d for d in first_diff if d is not None]}
+    first_diff = [
+        next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(a, b)
+    ]
+    return {
+        "sequences": len(a),
+        "identical": same,
+        "first_divergence": [d for d in first_diff if d is not None],
+    }
 
 
 def summarize(samples: dict[str, dict[str, list[Sample]]]) -> dict:
     out = {}
     for case, by_impl in samples.items():
-        row = {impl: {"tokens_per_second": spread([s.tokens_per_second for s in ss]),
-                      "load_1m": [s.load_1m for s in ss]}
-               for impl, ss in by_impl.items()}
+        row = {
+            impl: {
+                "tokens_per_second": spread([s.tokens_per_second for s in ss]),
+                "load_1m": [s.load_1m for s in ss],
+            }
+            for impl, ss in by_impl.items()
+        }
         for impl, ss in by_impl.items():
             if ss[0].total_seconds is not None:  # decode: prefill-included rate as well
                 row[impl]["end_to_end_tokens_per_second"] = spread(
-                    [s.total_tokens / s.total_seconds for s in ss])
+                    [s.total_tokens / s.total_seconds for s in ss]
+                )
         pd, hf = (row[i]["tokens_per_second"] for i in IMPLS)
         row["ratio_of_medians"] = pd["median"] / hf["median"]
         row["verdict"] = compare(pd, hf)
@@ -319,17 +353,30 @@ def goals(results: dict, batches: tuple[int, ...]) -> list[dict]:
         if 1 in batches:
             row = cases["decode-b1"]
             holds = row["verdict"] != "slower"
-            out.append({"dtype": dtype, "goal": "decode batch 1: pdserve not slower",
-                        "holds": holds, "ratio": row["ratio_of_medians"],
-                        "verdict": row["verdict"]})
+            out.append(
+                {
+                    "dtype": dtype,
+                    "goal": "decode batch 1: pdserve not slower",
+                    "holds": holds,
+                    "ratio": row["ratio_of_medians"],
+                    "verdict": row["verdict"],
+                }
+            )
         if 16 in batches:
             row = cases["decode-b16"]
             pd, hf = (row[i]["tokens_per_second"] for i in IMPLS)
             # Beyond the spread: even pdserve's slowest run is SEVERAL x transformers' fastest.
             holds = pd["min"] >= SEVERAL * hf["max"]
-            out.append({"dtype": dtype, "goal": f"decode batch 16: pdserve >= {SEVERAL:g}x",
-                        "holds": holds, "ratio": row["ratio_of_medians"],
-                        "worst_case_ratio": pd["min"] / hf["max"], "verdict": row["verdict"]})
+            out.append(
+                {
+                    "dtype": dtype,
+                    "goal": f"decode batch 16: pdserve >= {SEVERAL:g}x",
+                    "holds": holds,
+                    "ratio": row["ratio_of_medians"],
+                    "worst_case_ratio": pd["min"] / hf["max"],
+                    "verdict": row["verdict"],
+                }
+            )
     return out
 
 
@@ -369,21 +416,31 @@ def cpu_flags() -> list[str]:
 def conditions(args, w: Workload, contenders: list[Contenders]) -> dict:
     c0 = contenders[0]
     return {
-        "model": {"name": MODEL, "identity": c0.served.identity,
-                  "source": str(c0.served.source),
-                  "parameters_pdserve": parameter_count(c0.served.model),
-                  "parameters_transformers": sum(p.numel() for p in c0.hf.parameters()),
-                  "transformers_attention": c0.hf.config._attn_implementation},
+        "model": {
+            "name": MODEL,
+            "identity": c0.served.identity,
+            "source": str(c0.served.source),
+            "parameters_pdserve": parameter_count(c0.served.model),
+            "parameters_transformers": sum(p.numel() for p in c0.hf.parameters()),
+            "transformers_attention": c0.hf.config._attn_implementation,
+        },
         "cpu": {"model": cpu_model(), "logical_cpus": os.cpu_count(), "flags": cpu_flags()},
-        "software": {"torch": torch.__version__,
-                     "transformers": importlib.metadata.version("transformers"),
-                     "python": platform.python_version()},
+        "software": {
+            "torch": torch.__version__,
+            "transformers": importlib.metadata.version("transformers"),
+            "python": platform.python_version(),
+        },
         "threads": torch.get_num_threads(),
         "dtypes": [c.dtype for c in contenders],
-        "workload": {**asdict(w), "block_size": BLOCK_SIZE,
-                     "prompts": "seeded random token ids, all the same length (so left padding "
-                                "adds no pad tokens)"},
-        "repeats": args.repeats, "warmup": args.warmup, "seed": w.seed,
+        "workload": {
+            **asdict(w),
+            "block_size": BLOCK_SIZE,
+            "prompts": "seeded random token ids, all the same length (so left padding "
+            "adds no pad tokens)",
+        },
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "seed": w.seed,
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
     }
 
@@ -394,56 +451,82 @@ def _cell(d: dict) -> str:
 
 def markdown(doc: dict) -> str:
     c = doc["conditions"]
-    lines = ["# pdserve vs transformers on SmolLM2-135M (bench/models.py)", "",
-             "tokens/s, median (min-max) over the repeats; a difference is called only when "
-             "the ranges do not overlap.", "",
-             "| dtype | case | pdserve | transformers | pdserve / transformers | verdict |",
-             "|---|---|---:|---:|---:|---|"]
+    lines = [
+        "# pdserve vs transformers on SmolLM2-135M (bench/models.py)",
+        "",
+        "tokens/s, median (min-max) over the repeats; a difference is called only when "
+        "the ranges do not overlap.",
+        "",
+        "| dtype | case | pdserve | transformers | pdserve / transformers | verdict |",
+        "|---|---|---:|---:|---:|---|",
+    ]
     for dtype, cases in doc["results"].items():
         for case, row in cases.items():
             label = {"prefill": f"prefill {c['workload']['prefill_len']} tokens"}.get(
-                case, f"decode, batch {case.removeprefix('decode-b')}")
-            lines.append(f"| {dtype} | {label} | {_cell(row['pdserve']['tokens_per_second'])} | "
-                         f"{_cell(row['transformers']['tokens_per_second'])} | "
-                         f"{row['ratio_of_medians']:.2f}x | {row['verdict']} |")
-    lines += ["", "End to end (prefill of the batch included), tokens/s:", "",
-              "| dtype | case | pdserve | transformers |", "|---|---|---:|---:|"]
+                case, f"decode, batch {case.removeprefix('decode-b')}"
+            )
+            lines.append(
+                f"| {dtype} | {label} | {_cell(row['pdserve']['tokens_per_second'])} | "
+                f"{_cell(row['transformers']['tokens_per_second'])} | "
+                f"{row['ratio_of_medians']:.2f}x | {row['verdict']} |"
+            )
+    lines += [
+        "",
+        "End to end (prefill of the batch included), tokens/s:",
+        "",
+        "| dtype | case | pdserve | transformers |",
+        "|---|---|---:|---:|",
+    ]
     for dtype, cases in doc["results"].items():
         for case, row in cases.items():
             if "end_to_end_tokens_per_second" in row["pdserve"]:
-                lines.append(f"| {dtype} | {case} | "
-                             f"{_cell(row['pdserve']['end_to_end_tokens_per_second'])} | "
-                             f"{_cell(row['transformers']['end_to_end_tokens_per_second'])} |")
-    lines += ["", "Cross-check, greedy tokens of the first timed run (same work on both sides; "
-              "bf16 may part at near-ties, fp32 should not):", ""]
+                lines.append(
+                    f"| {dtype} | {case} | "
+                    f"{_cell(row['pdserve']['end_to_end_tokens_per_second'])} | "
+                    f"{_cell(row['transformers']['end_to_end_tokens_per_second'])} |"
+                )
+    lines += [
+        "",
+        "Cross-check, greedy tokens of the first timed run (same work on both sides; "
+        "bf16 may part at near-ties, fp32 should not):",
+        "",
+    ]
     for dtype, cases in doc["results"].items():
-        parts = [f"{case} {row['greedy_agreement']['identical']}/"
-                 f"{row['greedy_agreement']['sequences']} identical"
-                 for case, row in cases.items()]
+        parts = [
+            f"{case} {row['greedy_agreement']['identical']}/"
+            f"{row['greedy_agreement']['sequences']} identical"
+            for case, row in cases.items()
+        ]
         lines.append(f"- {dtype}: " + ", ".join(parts))
     lines += ["", "Goals:", ""]
     for g in doc["goals"]:
         extra = f", worst case {g['worst_case_ratio']:.2f}x" if "worst_case_ratio" in g else ""
-        lines.append(f"- {g['dtype']}, {g['goal']}: **{'holds' if g['holds'] else 'does not hold'}**"
-                     f" (median ratio {g['ratio']:.2f}x{extra}; {g['verdict']})")
+        lines.append(
+            f"- {g['dtype']}, {g['goal']}: **{'holds' if g['holds'] else 'does not hold'}**"
+            f" (median ratio {g['ratio']:.2f}x{extra}; {g['verdict']})"
+        )
     w = c["workload"]
-    lines += ["", "Conditions:", "",
-              f"- checkpoint {c['model']['identity']} (float32 runs upcast its weights); "
-              f"{c['model']['parameters_pdserve']:,} parameters; transformers attention: "
-              f"{c['model']['transformers_attention']}",
-              f"- {c['cpu']['logical_cpus']}x {c['cpu']['model']} "
-              f"({', '.join(c['cpu']['flags']) or 'no AVX flags read'})",
-              f"- torch {c['software']['torch']}, transformers {c['software']['transformers']}, "
-              f"Python {c['software']['python']}, {c['threads']} torch threads",
-              f"- prefill {w['prefill_len']} tokens; decode prompts {w['prompt_len']} tokens, "
-              f"{w['new_tokens']} new tokens (decode rate counts the {w['new_tokens'] - 1} after "
-              f"the first), batches {', '.join(map(str, w['batches']))}; {w['prompts']}",
-              f"- {c['repeats']} repeats after {c['warmup']} warm-up per configuration, "
-              f"interleaved; seed {c['seed']}",
-              f"- {c['date']}, {c['wall_seconds']:.0f} s; 1-minute load average "
-              f"{c['load_1m_before']} before, {c['load_1m_after']} after (the benchmark's own "
-              f"{c['threads']} busy threads count toward it; per-run figures in the JSON)",
-              f"- `{c['command']}`"]
+    lines += [
+        "",
+        "Conditions:",
+        "",
+        f"- checkpoint {c['model']['identity']} (float32 runs upcast its weights); "
+        f"{c['model']['parameters_pdserve']:,} parameters; transformers attention: "
+        f"{c['model']['transformers_attention']}",
+        f"- {c['cpu']['logical_cpus']}x {c['cpu']['model']} "
+        f"({', '.join(c['cpu']['flags']) or 'no AVX flags read'})",
+        f"- torch {c['software']['torch']}, transformers {c['software']['transformers']}, "
+        f"Python {c['software']['python']}, {c['threads']} torch threads",
+        f"- prefill {w['prefill_len']} tokens; decode prompts {w['prompt_len']} tokens, "
+        f"{w['new_tokens']} new tokens (decode rate counts the {w['new_tokens'] - 1} after "
+        f"the first), batches {', '.join(map(str, w['batches']))}; {w['prompts']}",
+        f"- {c['repeats']} repeats after {c['warmup']} warm-up per configuration, "
+        f"interleaved; seed {c['seed']}",
+        f"- {c['date']}, {c['wall_seconds']:.0f} s; 1-minute load average "
+        f"{c['load_1m_before']} before, {c['load_1m_after']} after (the benchmark's own "
+        f"{c['threads']} busy threads count toward it; per-run figures in the JSON)",
+        f"- `{c['command']}`",
+    ]
     for note in c.get("notes", []):
         lines.append(f"- note: {note}")
     return "\n".join(lines) + "\n"
@@ -455,28 +538,49 @@ def markdown(doc: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration first")
     p.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
-    p.add_argument("--dtypes", default="bfloat16,float32",
-                   help="comma list, run in order (default %(default)s)")
+    p.add_argument(
+        "--dtypes",
+        default="bfloat16,float32",
+        help="comma list, run in order (default %(default)s)",
+    )
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batches", default="1,16", help="decode batch sizes (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
-                   help="skip a later dtype when the run so far says it would end past this")
-    p.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
-                   help="before starting, wait (up to --quiet-wait s) for the 1-minute load "
-                   "average to drop below LOAD: the machine is shared")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="skip a later dtype when the run so far says it would end past this",
+    )
+    p.add_argument(
+        "--quiet-below",
+        type=float,
+        default=None,
+        metavar="LOAD",
+        help="before starting, wait (up to --quiet-wait s) for the 1-minute load "
+        "average to drop below LOAD: the machine is shared",
+    )
     p.add_argument("--quiet-wait", type=float, default=600.0, metavar="SECONDS")
-    p.add_argument("--out", default=str(RESULTS / "models"), metavar="PREFIX",
-                   help="writes PREFIX.json and PREFIX.md (default bench/results/models)")
-    p.add_argument("--render", metavar="PATH.json", help="measure nothing: rewrite the .md "
-                   "table next to a saved result")
+    p.add_argument(
+        "--out",
+        default=str(RESULTS / "models"),
+        metavar="PREFIX",
+        help="writes PREFIX.json and PREFIX.md (default bench/results/models)",
+    )
+    p.add_argument(
+        "--render",
+        metavar="PATH.json",
+        help="measure nothing: rewrite the .md table next to a saved result",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2:
         p.error("need --repeats >= 1 and --new-tokens >= 2")
@@ -503,28 +607,44 @@ def main(argv=None) -> int:
     quiet = wait_for_quiet(args.quiet_below, args.quiet_wait) if args.quiet_below else ""
     if quiet:
         print(quiet, flush=True)
-    w = Workload(args.prefill_len, args.prompt_len, args.new_tokens,
-                 tuple(int(b) for b in args.batches.split(",")), args.seed)
+    w = Workload(
+        args.prefill_len,
+        args.prompt_len,
+        args.new_tokens,
+        tuple(int(b) for b in args.batches.split(",")),
+        args.seed,
+    )
     started_at, load_before, t0 = dt.datetime.now(dt.timezone.utc), load_1m(), time.monotonic()
     results, contenders, notes = {}, [], [quiet] if quiet else []
     for dtype in args.dtypes.split(","):
         elapsed = time.monotonic() - t0
         if results and elapsed + elapsed / len(results) > args.budget:
-            notes.append(f"{dtype} skipped: the run had taken {elapsed:.0f} s and one more "
-                         f"dtype would pass the {args.budget:.0f} s budget")
+            notes.append(
+                f"{dtype} skipped: the run had taken {elapsed:.0f} s and one more "
+                f"dtype would pass the {args.budget:.0f} s budget"
+            )
             print(notes[-1], flush=True)
             continue
         print(f"{dtype}: loading", flush=True)
         c = load(dtype)
         contenders.append(c)
-        results[dtype] = summarize(measure_dtype(c, w, args.repeats, args.warmup,
-                                                 log=lambda m: print(m, flush=True)))
+        results[dtype] = summarize(
+            measure_dtype(c, w, args.repeats, args.warmup, log=lambda m: print(m, flush=True))
+        )
     conds = conditions(args, w, contenders)
-    conds.update(date=started_at.isoformat(timespec="seconds"),
-                 wall_seconds=time.monotonic() - t0, load_1m_before=load_before,
-                 load_1m_after=load_1m(), notes=notes)
-    doc = {"schema": "pdserve.bench.models/1", "conditions": conds, "results": results,
-           "goals": goals(results, w.batches)}
+    conds.update(
+        date=started_at.isoformat(timespec="seconds"),
+        wall_seconds=time.monotonic() - t0,
+        load_1m_before=load_before,
+        load_1m_after=load_1m(),
+        notes=notes,
+    )
+    doc = {
+        "schema": "pdserve.bench.models/1",
+        "conditions": conds,
+        "results": results,
+        "goals": goals(results, w.batches),
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -62,16 +62,18 @@ def one_request(stub, rng_seed: int, outcomes: Outcomes) -> None:
     rng = random.Random(rng_seed)
     prompt = [rng.randrange(256) for _ in range(rng.randint(64, 256))]
     max_tokens = rng.randint(16, 48)
-    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     started = time.monotonic()
     try:
         n = sum(len(r.token_ids) for r in stub.Generate(request, timeout=DEADLINE_SECONDS))
         outcomes.add("OK" if n == max_tokens else "SHORT")
     except grpc.RpcError as exc:
         late = time.monotonic() - started > DEADLINE_SECONDS
-        outcomes.add("HUNG" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or late
-                     else exc.code().name)
+        outcomes.add(
+            "HUNG" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or late else exc.code().name
+        )
 
 
 def kill_and_restart(decode, tmp_dir: str, args, stop: threading.Event, log: list) -> None:
@@ -80,8 +82,9 @@ def kill_and_restart(decode, tmp_dir: str, args, stop: threading.Event, log: lis
         log.append({"t": time.monotonic(), "event": "killed decode 0"})
         if stop.wait(args.down_for):
             return
-        decode[0] = start_service("decode", "--torch-threads", "1", tmp_dir=tmp_dir,
-                                  port=decode[0].port)
+        decode[0] = start_service(
+            "decode", "--torch-threads", "1", tmp_dir=tmp_dir, port=decode[0].port
+        )
         log.append({"t": time.monotonic(), "event": "restarted decode 0"})
 
 
@@ -92,8 +95,9 @@ def run(args) -> dict:
     router = start_router([prefill], decodes, tmp_dir=tmp_dir)
     victim = [decodes[0]]
     outcomes, events, stop = Outcomes(), [], threading.Event()
-    killer = threading.Thread(target=kill_and_restart,
-                              args=(victim, tmp_dir, args, stop, events), daemon=True)
+    killer = threading.Thread(
+        target=kill_and_restart, args=(victim, tmp_dir, args, stop, events), daemon=True
+    )
     channel = grpc.insecure_channel(router.address)
     stub = pb_grpc.RouterStub(channel)
     rng = random.Random(args.seed)
@@ -120,23 +124,33 @@ def run(args) -> dict:
     failed = sum(outcomes.by_status.values())
     lost = sent - outcomes.completed - failed - outcomes.hung - len(not_done)
     return {
-        "sent": sent, "completed": outcomes.completed, "failed_with_status": failed,
-        "failed_by_status": outcomes.by_status, "hung": outcomes.hung + len(not_done),
-        "lost": lost, "leaked_blocks": leaked,
+        "sent": sent,
+        "completed": outcomes.completed,
+        "failed_with_status": failed,
+        "failed_by_status": outcomes.by_status,
+        "hung": outcomes.hung + len(not_done),
+        "lost": lost,
+        "leaked_blocks": leaked,
         "kills": sum(1 for e in events if e["event"].startswith("killed")),
-        "conditions": {"duration_s": args.duration, "rate_per_s": args.rate,
-                       "kill_every_s": args.kill_every, "down_for_s": args.down_for,
-                       "seed": args.seed, "deadline_s": DEADLINE_SECONDS,
-                       "workload": "Poisson, prompt 64-256 tokens, output 16-48, ignore_eos",
-                       "topology": "router + 1 prefill + 2 decode on loopback, decode 0 killed",
-                       "cpu": platform.processor() or platform.machine(),
-                       "python": platform.python_version(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat()},
+        "conditions": {
+            "duration_s": args.duration,
+            "rate_per_s": args.rate,
+            "kill_every_s": args.kill_every,
+            "down_for_s": args.down_for,
+            "seed": args.seed,
+            "deadline_s": DEADLINE_SECONDS,
+            "workload": "Poisson, prompt 64-256 tokens, output 16-48, ignore_eos",
+            "topology": "router + 1 prefill + 2 decode on loopback, decode 0 killed",
+            "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        },
     }
 
 
 def leaked_blocks(decodes) -> int:
     """Blocks still held once every request has ended (waiting, bounded, for them to settle)."""
+
     def held() -> int:
         total = 0
         for decode in [d for d in decodes if d.proc.poll() is None]:
@@ -144,6 +158,7 @@ def leaked_blocks(decodes) -> int:
                 s = pb_grpc.DecodeStub(ch).GetPoolStats(pb.PoolStatsRequest(), timeout=5)
                 total += s.total_blocks - s.free_blocks
         return total
+
     try:
         wait_until(lambda: held() == 0, 15, "pools to settle")
     except AssertionError:

@@ -44,8 +44,9 @@ def served(address: str, batch: int, tokens: int, rng: random.Random) -> float:
 
     def stream() -> None:
         prompt = [rng.randrange(256) for _ in range(PROMPT)]
-        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_tokens=tokens, ignore_eos=True))
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True)
+        )
         times = []
         with grpc.insecure_channel(address) as channel:
             for response in pb_grpc.RouterStub(channel).Generate(request, timeout=600):
@@ -96,14 +97,22 @@ def main() -> int:
         for service in stack:
             service.stop()
     ratios = [s / c for s, c in zip(rows["served"], rows["ceiling"])]
-    report = {"conditions": {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": args.model, "batch": args.batch, "output_tokens": args.tokens,
-        "prompt_tokens": PROMPT, "repeats": args.repeats, "torch": torch.__version__,
-        "placement": "prefill CPU 0; decode, router and the ceiling loop CPU 1; 1 thread",
-        "load_average": os.getloadavg()},
-        "served_tokens_per_s": rows["served"], "ceiling_tokens_per_s": rows["ceiling"],
-        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
+    report = {
+        "conditions": {
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "model": args.model,
+            "batch": args.batch,
+            "output_tokens": args.tokens,
+            "prompt_tokens": PROMPT,
+            "repeats": args.repeats,
+            "torch": torch.__version__,
+            "placement": "prefill CPU 0; decode, router and the ceiling loop CPU 1; 1 thread",
+            "load_average": os.getloadavg(),
+        },
+        "served_tokens_per_s": rows["served"],
+        "ceiling_tokens_per_s": rows["ceiling"],
+        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+    }
     Path(args.out + ".json").write_text(json.dumps(report, indent=2))
     r = report["ratio"]
     print(f"served / ceiling: {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}); goal >= 0.7")

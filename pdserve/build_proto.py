@@ -15,8 +15,15 @@ PROTO_DIR = ROOT / "proto"
 def main() -> int:
     protos = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
     include = pathlib.Path(protoc.__file__).parent / "_proto"
-    args = ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={ROOT}",
-            f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}", *protos]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={ROOT}",
+        f"--pyi_out={ROOT}",
+        f"--grpc_python_out={ROOT}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         print("protoc failed", file=sys.stderr)
         return 1

@@ -1,11 +1,11 @@
 """The `pdserve` command: run a service, the whole stack, a client, or a tool.
 
-  pdserve serve router|prefill|decode|colocated   one service (flags below, or PDSERVE_* variables)
-  pdserve up                                      prefill, decode and router as local processes
-  pdserve generate "text"                         stream one reply to the terminal
-  pdserve health ADDRESS                          exit 0 when a service reports SERVING
-  pdserve bench --preset chapter                  load test: latency percentiles, goodput, handoff
-  pdserve handoff-table                           what one request's KV cache costs to move
+pdserve serve router|prefill|decode|colocated   one service (flags below, or PDSERVE_* variables)
+pdserve up                                      prefill, decode and router as local processes
+pdserve generate "text"                         stream one reply to the terminal
+pdserve health ADDRESS                          exit 0 when a service reports SERVING
+pdserve bench --preset chapter                  load test: latency percentiles, goodput, handoff
+pdserve handoff-table                           what one request's KV cache costs to move
 """
 
 import argparse
@@ -17,28 +17,36 @@ import sys
 
 from pdserve import settings as cfg
 
-FAULTS_EPILOG = ("For tests only, PDSERVE_FAULTS (e.g. corrupt_chunk=2) makes the service fail at a "
-                 "chosen point; see pdserve/faults.py. It is off unless set.")
+FAULTS_EPILOG = (
+    "For tests only, PDSERVE_FAULTS (e.g. corrupt_chunk=2) makes the service fail at a "
+    "chosen point; see pdserve/faults.py. It is off unless set."
+)
 
-ROLE_HELP = {"router": "the public entry: validates, reserves decode room, relays tokens",
-             "prefill": "batched prefill that pushes each request's KV cache to decode",
-             "decode": "the paged KV pool and the continuous-batching decode loop",
-             "colocated": "prefill and decode in one process and one loop (the baseline)"}
+ROLE_HELP = {
+    "router": "the public entry: validates, reserves decode room, relays tokens",
+    "prefill": "batched prefill that pushes each request's KV cache to decode",
+    "decode": "the paged KV pool and the continuous-batching decode loop",
+    "colocated": "prefill and decode in one process and one loop (the baseline)",
+}
 
 
 def _serve(args) -> int:
     settings = cfg.settings_from_args(args.role, args)  # invalid settings fail before any loading
     common = settings.common
-    logging.basicConfig(level=common.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=common.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     _pin(cfg.parse_cpu_list(common.cpus))
     if args.role != "router":  # the router never imports torch
         import torch
+
         # Threads follow the CPUs the service may use: more would only contend for them.
         torch.set_num_threads(common.torch_threads or len(os.sched_getaffinity(0)))
-        logging.getLogger("pdserve").info("torch threads: %d on CPUs %s",
-                                          torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+        logging.getLogger("pdserve").info(
+            "torch threads: %d on CPUs %s", torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+        )
     from pdserve.models.loading import load_served_model
+
     # The router only tokenizes and checks model identity, so it needs no weights.
     model = load_served_model(common.model, common.dtype, weights=(args.role != "router"))
     service = importlib.import_module(f"services.{args.role}.server")
@@ -52,8 +60,10 @@ def _pin(cpus: set[int]) -> None:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as exc:
-        raise ValueError(f"--cpus {sorted(cpus)}: cannot run there ({exc.strerror}); this "
-                         f"process may use CPUs {sorted(os.sched_getaffinity(0))}") from None
+        raise ValueError(
+            f"--cpus {sorted(cpus)}: cannot run there ({exc.strerror}); this "
+            f"process may use CPUs {sorted(os.sched_getaffinity(0))}"
+        ) from None
 
 
 def _add_serve(sub) -> None:
@@ -67,14 +77,16 @@ def _add_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     from pdserve.bench.cli import add_bench
     from pdserve.client import add_generate, add_health
     from pdserve.launcher import add_up
     from pdserve.tools import handoff_table
+
     add_up(sub)
     add_generate(sub)
     add_health(sub)

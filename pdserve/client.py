@@ -10,20 +10,32 @@ from pdserve.settings import env
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-FINISH_NAMES = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
-                pb.FINISH_REASON_EOS: "eos"}
+FINISH_NAMES = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_EOS: "eos",
+}
 
 
 def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="send one prompt to a router and stream the reply",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "generate",
+        help="send one prompt to a router and stream the reply",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("prompt", help="prompt text, tokenized by the server with its model's tokenizer")
-    p.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user's chat message, rendered with the model's chat "
-                   "template (the reply is the assistant's turn)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user's chat message, rendered with the model's chat "
+        "template (the reply is the assistant's turn)",
+    )
     p.add_argument("--system", help="with --chat: a system message before the user's")
-    p.add_argument("--address", default=env("ADDRESS", "127.0.0.1:50051"),
-                   help="router (or colocated) address (PDSERVE_ADDRESS)")
+    p.add_argument(
+        "--address",
+        default=env("ADDRESS", "127.0.0.1:50051"),
+        help="router (or colocated) address (PDSERVE_ADDRESS)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -37,8 +49,14 @@ def add_generate(sub) -> None:
 
 def request_from_args(args) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     if not args.chat:
         return pb.GenerateRequest(prompt=args.prompt, sampling=sampling)
     messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
@@ -69,12 +87,15 @@ def printable(text: str) -> str:
 
 def _print_summary(last: pb.GenerateResponse) -> None:
     m = last.metrics
-    print(f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}] "
-          f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens; "
-          f"TTFT {m.time_to_first_token_seconds * 1e3:.1f} ms, "
-          f"total {m.end_to_end_seconds * 1e3:.1f} ms; handoff {m.handoff_bytes / 1024:.0f} KiB "
-          f"in {m.handoff_seconds * 1e3:.2f} ms; prefill {m.prefill_instance}, "
-          f"decode {m.decode_instance}", file=sys.stderr)
+    print(
+        f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}] "
+        f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens; "
+        f"TTFT {m.time_to_first_token_seconds * 1e3:.1f} ms, "
+        f"total {m.end_to_end_seconds * 1e3:.1f} ms; handoff {m.handoff_bytes / 1024:.0f} KiB "
+        f"in {m.handoff_seconds * 1e3:.2f} ms; prefill {m.prefill_instance}, "
+        f"decode {m.decode_instance}",
+        file=sys.stderr,
+    )
 
 
 def add_health(sub) -> None:
@@ -87,8 +108,9 @@ def add_health(sub) -> None:
 def check_health(address: str, timeout: float) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                              timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

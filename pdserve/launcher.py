@@ -25,34 +25,61 @@ ROLES = ("prefill", "decode", "router")
 
 def add_up(sub) -> None:
     p = sub.add_parser("up", help="run prefill, decode and router as local processes")
-    p.add_argument("--port", type=int, default=DEFAULT_PORTS["router"],
-                   help="router port, 0 picks a free one (default %(default)s)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORTS["router"],
+        help="router port, 0 picks a free one (default %(default)s)",
+    )
     p.add_argument("--prefill-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--decode-port", type=int, default=0, help="0 picks a free port")
-    add_flags(p.add_argument_group("model", "handed on to every service"), CommonSettings,
-              only=SHARED_SETTINGS)
+    add_flags(
+        p.add_argument_group("model", "handed on to every service"),
+        CommonSettings,
+        only=SHARED_SETTINGS,
+    )
     add_flags(p, DecodeSettings, only=("num_blocks",))
-    g = p.add_argument_group("placement", "which CPUs each service runs on (Linux CPU lists, "
-                             "e.g. 0 or 0-1,3; empty for all)")
+    g = p.add_argument_group(
+        "placement",
+        "which CPUs each service runs on (Linux CPU lists, e.g. 0 or 0-1,3; empty for all)",
+    )
     for role in ROLES:
         g.add_argument(f"--{role}-cpus", default="", help=f"CPUs of the {role} service")
-    p.add_argument("--torch-threads", type=int, default=0,
-                   help="torch threads for prefill and for decode each; 0 (default): one per CPU "
-                   "of the service's --*-cpus, or 1 where none are given, since prefill and "
-                   "decode then share the cores")
-    p.add_argument("--metrics-base-port", type=int, default=0,
-                   help="serve Prometheus metrics: router on this port, prefill on +1, decode on "
-                   "+2 (0: none)")
-    p.add_argument("--demo", metavar="PROMPT", help="send this prompt once ready, print the "
-                   "reply, then stop everything")
-    p.add_argument("--demo-tokens", type=int, default=48, help="reply length of the demo (default %(default)s)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch threads for prefill and for decode each; 0 (default): one per CPU "
+        "of the service's --*-cpus, or 1 where none are given, since prefill and "
+        "decode then share the cores",
+    )
+    p.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics: router on this port, prefill on +1, decode on +2 (0: none)",
+    )
+    p.add_argument(
+        "--demo",
+        metavar="PROMPT",
+        help="send this prompt once ready, print the reply, then stop everything",
+    )
+    p.add_argument(
+        "--demo-tokens", type=int, default=48, help="reply length of the demo (default %(default)s)"
+    )
     p.set_defaults(func=run_up)
 
 
-def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_blocks: int,
-                   torch_threads: int, metrics_base_port: int = 0,
-                   shared: Sequence[str] = (), cpus: dict[str, str] | None = None
-                   ) -> dict[str, list[str]]:
+def stack_commands(
+    router_port: int,
+    prefill_port: int,
+    decode_port: int,
+    num_blocks: int,
+    torch_threads: int,
+    metrics_base_port: int = 0,
+    shared: Sequence[str] = (),
+    cpus: dict[str, str] | None = None,
+) -> dict[str, list[str]]:
     """Each service's command line; `shared` (--model, --dtype) goes to all three, `cpus` maps a
     role to its CPU list."""
     base = [sys.executable, "-m", "pdserve.cli", "serve"]
@@ -68,13 +95,32 @@ def stack_commands(router_port: int, prefill_port: int, decode_port: int, num_bl
         return ["--metrics-port", str(metrics_base_port + offset)] if metrics_base_port else []
 
     return {
-        "decode": base + ["decode", *loopback, "--port", str(decode_port), *placed("decode"),
-                          "--num-blocks", str(num_blocks), *metrics(2)],
-        "prefill": base + ["prefill", *loopback, "--port", str(prefill_port),
-                           *placed("prefill"), *metrics(1)],
-        "router": base + ["router", *loopback, "--port", str(router_port), *placed("router"),
-                          "--prefill", f"127.0.0.1:{prefill_port}",
-                          "--decode", f"127.0.0.1:{decode_port}", *metrics(0)],
+        "decode": base
+        + [
+            "decode",
+            *loopback,
+            "--port",
+            str(decode_port),
+            *placed("decode"),
+            "--num-blocks",
+            str(num_blocks),
+            *metrics(2),
+        ],
+        "prefill": base
+        + ["prefill", *loopback, "--port", str(prefill_port), *placed("prefill"), *metrics(1)],
+        "router": base
+        + [
+            "router",
+            *loopback,
+            "--port",
+            str(router_port),
+            *placed("router"),
+            "--prefill",
+            f"127.0.0.1:{prefill_port}",
+            "--decode",
+            f"127.0.0.1:{decode_port}",
+            *metrics(0),
+        ],
     }
 
 
@@ -88,14 +134,20 @@ def run_up(args) -> int:
     # converted here once rather than by three services at the same time.
     CommonSettings(model=args.model, dtype=args.dtype)
     from pdserve.models.loading import load_served_model
+
     served = load_served_model(args.model, args.dtype, weights=False)
     print(f"model: {served.identity}", flush=True)
     args.port = args.port or free_port()
-    commands = stack_commands(args.port, args.prefill_port or free_port(),
-                              args.decode_port or free_port(), args.num_blocks, args.torch_threads,
-                              args.metrics_base_port,
-                              as_flags(CommonSettings, args, SHARED_SETTINGS),
-                              {role: getattr(args, f"{role}_cpus") for role in ROLES})
+    commands = stack_commands(
+        args.port,
+        args.prefill_port or free_port(),
+        args.decode_port or free_port(),
+        args.num_blocks,
+        args.torch_threads,
+        args.metrics_base_port,
+        as_flags(CommonSettings, args, SHARED_SETTINGS),
+        {role: getattr(args, f"{role}_cpus") for role in ROLES},
+    )
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -131,11 +183,22 @@ def _wait_ready(address: str, procs: dict[str, subprocess.Popen]) -> bool:
 def _demo(args, chat: bool) -> int:
     """One greedy request; a chat turn where the model has a chat template."""
     from pdserve.client import run_generate
+
     print(f"demo {'question' if chat else 'prompt'}: {args.demo!r}", flush=True)
-    demo = argparse.Namespace(prompt=args.demo, chat=chat, system=None,
-                              address=f"127.0.0.1:{args.port}", max_tokens=args.demo_tokens,
-                              temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=[],
-                              ignore_eos=False, timeout=120.0)
+    demo = argparse.Namespace(
+        prompt=args.demo,
+        chat=chat,
+        system=None,
+        address=f"127.0.0.1:{args.port}",
+        max_tokens=args.demo_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=0,
+        stop=[],
+        ignore_eos=False,
+        timeout=120.0,
+    )
     return run_generate(demo)
 
 

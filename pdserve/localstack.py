@@ -49,8 +49,14 @@ class Service:
         return self.proc.returncode
 
 
-def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None,
-                  faults: str = "", ready: bool = True) -> Service:
+def start_service(
+    role: str,
+    *flags: str,
+    tmp_dir: str,
+    port: int | None = None,
+    faults: str = "",
+    ready: bool = True,
+) -> Service:
     """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING, or,
     with ready=False, only until it accepts connections (a router whose backends it refuses).
 
@@ -58,8 +64,18 @@ def start_service(role: str, *flags: str, tmp_dir: str, port: int | None = None,
     """
     port = port or free_port()
     log_path = os.path.join(tmp_dir, f"{role}-{port}.log")
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", role, "--host", "127.0.0.1",
-           "--port", str(port), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        role,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_FAULTS=faults)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -88,10 +104,23 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-def start_router(prefills: list[Service], decodes: list[Service], *flags: str, tmp_dir: str,
-                 port: int | None = None) -> Service:
-    return start_service("router", "--prefill", *[p.address for p in prefills], "--decode",
-                         *[d.address for d in decodes], *flags, tmp_dir=tmp_dir, port=port)
+def start_router(
+    prefills: list[Service],
+    decodes: list[Service],
+    *flags: str,
+    tmp_dir: str,
+    port: int | None = None,
+) -> Service:
+    return start_service(
+        "router",
+        "--prefill",
+        *[p.address for p in prefills],
+        "--decode",
+        *[d.address for d in decodes],
+        *flags,
+        tmp_dir=tmp_dir,
+        port=port,
+    )
 
 
 def start_pinned_disaggregated(model: str, tmp_dir: str) -> tuple[Service, list[Service]]:

@@ -13,44 +13,88 @@ log = logging.getLogger(__name__)
 
 # 100 µs to 60 s, roughly x2.5 per bucket: a loopback handoff of a short prompt takes well under a
 # millisecond, a 128k-token Llama-70B cache over 10 GbE takes tens of seconds (docs/handoff-table.md).
-LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                   1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+)
 BYTES_BUCKETS = tuple(float(1 << p) for p in range(10, 34, 2))  # 1 KiB .. 8 GiB
-BANDWIDTH_BUCKETS = tuple(float(10 ** p) for p in range(6, 12)) + (4e11,)  # 1 MB/s .. 400 GB/s
+BANDWIDTH_BUCKETS = tuple(float(10**p) for p in range(6, 12)) + (4e11,)  # 1 MB/s .. 400 GB/s
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 HANDOFF_SECONDS = Histogram(
-    "pdserve_handoff_seconds", "KV handoff latency: first chunk sent (prefill, router) or "
-    "received (decode) to commit", ["service"], buckets=LATENCY_BUCKETS)
-HANDOFF_BYTES = Histogram("pdserve_handoff_bytes", "KV payload bytes per handoff", ["service"],
-                          buckets=BYTES_BUCKETS)
+    "pdserve_handoff_seconds",
+    "KV handoff latency: first chunk sent (prefill, router) or received (decode) to commit",
+    ["service"],
+    buckets=LATENCY_BUCKETS,
+)
+HANDOFF_BYTES = Histogram(
+    "pdserve_handoff_bytes", "KV payload bytes per handoff", ["service"], buckets=BYTES_BUCKETS
+)
 HANDOFF_BANDWIDTH = Histogram(
-    "pdserve_handoff_bandwidth_bytes_per_second", "Handoff bytes / handoff seconds", ["service"],
-    buckets=BANDWIDTH_BUCKETS)
-TTFT_SECONDS = Histogram("pdserve_time_to_first_token_seconds",
-                         "Request received to first token sent", ["service"],
-                         buckets=LATENCY_BUCKETS)
-TPOT_SECONDS = Histogram("pdserve_time_per_output_token_seconds",
-                         "(end to end - time to first token) / (tokens - 1)", ["service"],
-                         buckets=LATENCY_BUCKETS)
-E2E_SECONDS = Histogram("pdserve_e2e_request_latency_seconds",
-                        "Request received to last token sent", ["service"],
-                        buckets=LATENCY_BUCKETS)
-REQUESTS = Counter("pdserve_requests_total", "Requests by outcome and gRPC status",
-                   ["service", "outcome", "code"])
+    "pdserve_handoff_bandwidth_bytes_per_second",
+    "Handoff bytes / handoff seconds",
+    ["service"],
+    buckets=BANDWIDTH_BUCKETS,
+)
+TTFT_SECONDS = Histogram(
+    "pdserve_time_to_first_token_seconds",
+    "Request received to first token sent",
+    ["service"],
+    buckets=LATENCY_BUCKETS,
+)
+TPOT_SECONDS = Histogram(
+    "pdserve_time_per_output_token_seconds",
+    "(end to end - time to first token) / (tokens - 1)",
+    ["service"],
+    buckets=LATENCY_BUCKETS,
+)
+E2E_SECONDS = Histogram(
+    "pdserve_e2e_request_latency_seconds",
+    "Request received to last token sent",
+    ["service"],
+    buckets=LATENCY_BUCKETS,
+)
+REQUESTS = Counter(
+    "pdserve_requests_total", "Requests by outcome and gRPC status", ["service", "outcome", "code"]
+)
 TOKENS = Counter("pdserve_tokens_total", "Tokens processed", ["service", "kind"])
-QUEUE_DEPTH = Gauge("pdserve_queue_depth", "Requests waiting (router: for decode room; "
-                    "prefill: for a batch)", ["service"])
+QUEUE_DEPTH = Gauge(
+    "pdserve_queue_depth",
+    "Requests waiting (router: for decode room; prefill: for a batch)",
+    ["service"],
+)
 RUNNING = Gauge("pdserve_running_sequences", "Sequences held by the decode engine", ["service"])
 KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV blocks reserved or in use", ["service"])
-KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "KV blocks free for new reservations",
-                       ["service"])
-PREFILL_BATCH = Histogram("pdserve_prefill_batch_size", "Prompts per prefill batch", ["service"],
-                          buckets=BATCH_BUCKETS)
-DECODE_BATCH = Histogram("pdserve_decode_batch_size", "Sequences per decode step", ["service"],
-                         buckets=BATCH_BUCKETS)
-STEP_SECONDS = Histogram("pdserve_engine_step_seconds", "One prefill batch or decode step",
-                         ["service", "phase"], buckets=LATENCY_BUCKETS)
+KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "KV blocks free for new reservations", ["service"])
+PREFILL_BATCH = Histogram(
+    "pdserve_prefill_batch_size", "Prompts per prefill batch", ["service"], buckets=BATCH_BUCKETS
+)
+DECODE_BATCH = Histogram(
+    "pdserve_decode_batch_size", "Sequences per decode step", ["service"], buckets=BATCH_BUCKETS
+)
+STEP_SECONDS = Histogram(
+    "pdserve_engine_step_seconds",
+    "One prefill batch or decode step",
+    ["service", "phase"],
+    buckets=LATENCY_BUCKETS,
+)
 
 
 def start(port: int) -> None:
@@ -67,8 +111,14 @@ def record_handoff(service: str, seconds: float, nbytes: int) -> None:
         HANDOFF_BANDWIDTH.labels(service).observe(nbytes / seconds)
 
 
-def record_request(service: str, code: str, ttft: float | None = None, e2e: float | None = None,
-                   completion_tokens: int = 0, prompt_tokens: int = 0) -> None:
+def record_request(
+    service: str,
+    code: str,
+    ttft: float | None = None,
+    e2e: float | None = None,
+    completion_tokens: int = 0,
+    prompt_tokens: int = 0,
+) -> None:
     """One finished request (code "OK") or failed one (its gRPC status name)."""
     REQUESTS.labels(service, "ok" if code == "OK" else "error", code).inc()
     if code != "OK":
@@ -81,8 +131,9 @@ def record_request(service: str, code: str, ttft: float | None = None, e2e: floa
     TOKENS.labels(service, "generated").inc(completion_tokens)
 
 
-def watch_pool(service: str, free: Callable[[], int], total: int, running: Callable[[], int]
-               ) -> None:
+def watch_pool(
+    service: str, free: Callable[[], int], total: int, running: Callable[[], int]
+) -> None:
     """Pool gauges read at scrape time, so they are never stale."""
     KV_BLOCKS_FREE.labels(service).set_function(free)
     KV_BLOCKS_USED.labels(service).set_function(lambda: total - free())

@@ -22,8 +22,16 @@ ENV_PREFIX = "PDSERVE_"
 DEFAULT_PORTS = {"router": 50051, "prefill": 50052, "decode": 50053, "colocated": 50051}
 DTYPES = ("", "bfloat16", "float16", "float32")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 def setting(default, help: str, flag: str | None = None):
@@ -46,18 +54,23 @@ class CommonSettings:
     model: str = setting(
         "smollm2-135m-instruct",
         "the model to serve: a checkpoint directory (config.json, *.safetensors, tokenizer.json), "
-        "a .gguf file, or a built-in name (smollm2-135m-instruct, tinygpt)")
+        "a .gguf file, or a built-in name (smollm2-135m-instruct, tinygpt)",
+    )
     dtype: str = setting(
-        "", "weights and KV dtype: bfloat16, float16 or float32; empty for the checkpoint's own")
+        "", "weights and KV dtype: bfloat16, float16 or float32; empty for the checkpoint's own"
+    )
     host: str = setting("0.0.0.0", "address to listen on")
     port: int = setting(0, "gRPC port, 0 picks a free one")
     metrics_port: int = setting(0, "Prometheus /metrics HTTP port, 0 for none")
     instance: str = setting("", "name in logs and responses; empty for role@host:port")
     grace_seconds: float = setting(
-        10.0, "on SIGTERM, how long in-flight requests may take to finish")
+        10.0, "on SIGTERM, how long in-flight requests may take to finish"
+    )
     cpus: str = setting(
-        "", "CPUs this service may run on, as Linux lists them (e.g. 0 or 0-1,3); empty for all "
-        "the process was given. Prefill and decode pinned apart do not slow each other")
+        "",
+        "CPUs this service may run on, as Linux lists them (e.g. 0 or 0-1,3); empty for all "
+        "the process was given. Prefill and decode pinned apart do not slow each other",
+    )
     torch_threads: int = setting(0, "threads for torch; 0 for one per CPU the service may use")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     # Not a flag: fault injection is for tests only and must never be on by accident.
@@ -91,8 +104,9 @@ class PrefillSettings:
 
     common: CommonSettings
     max_batch_size: int = setting(8, "prompts per prefill batch", flag="max-prefill-batch")
-    max_batch_tokens: int = setting(4096, "prompt tokens per prefill batch",
-                                    flag="max-prefill-tokens")
+    max_batch_tokens: int = setting(
+        4096, "prompt tokens per prefill batch", flag="max-prefill-tokens"
+    )
     # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (measured on a 2-vCPU VM, grpcio 1.85, 2026-11-30).
     chunk_bytes: int = setting(1 << 20, "largest KV chunk sent to decode")
 
@@ -107,25 +121,33 @@ class RouterSettings:
     common: CommonSettings
     prefill: list[str] = setting(
         [f"127.0.0.1:{DEFAULT_PORTS['prefill']}"],
-        "prefill instances, host:port; a host with several addresses counts as several instances")
-    decode: list[str] = setting([f"127.0.0.1:{DEFAULT_PORTS['decode']}"],
-                                "decode instances, host:port")
+        "prefill instances, host:port; a host with several addresses counts as several instances",
+    )
+    decode: list[str] = setting(
+        [f"127.0.0.1:{DEFAULT_PORTS['decode']}"], "decode instances, host:port"
+    )
     max_queue: int = setting(
-        256, "requests that may wait for decode room; more get RESOURCE_EXHAUSTED")
+        256, "requests that may wait for decode room; more get RESOURCE_EXHAUSTED"
+    )
     queue_timeout_seconds: float = setting(30.0, "longest wait for decode room")
     max_attempts: int = setting(
-        3, "handoff attempts per request; a request is retried on another instance only while "
-        "no token has reached the client")
+        3,
+        "handoff attempts per request; a request is retried on another instance only while "
+        "no token has reached the client",
+    )
     request_timeout_seconds: float = setting(
-        600.0, "deadline of a request whose client set none; a client's own deadline is kept "
-        "when shorter")
+        600.0,
+        "deadline of a request whose client set none; a client's own deadline is kept when shorter",
+    )
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one prefill and one decode address "
-                             "(--prefill, --decode)")
-        _positive(self, "max_queue", "queue_timeout_seconds", "max_attempts",
-                  "request_timeout_seconds")
+            raise ValueError(
+                "the router needs at least one prefill and one decode address (--prefill, --decode)"
+            )
+        _positive(
+            self, "max_queue", "queue_timeout_seconds", "max_attempts", "request_timeout_seconds"
+        )
 
 
 @dataclass(frozen=True)
@@ -136,37 +158,45 @@ class ColocatedSettings:
     decode: DecodeSettings
     prefill: PrefillSettings
     chunk_tokens: int = setting(
-        256, "chunked prefill (as vLLM's and Sarathi-Serve's schedulers do): each step carries "
+        256,
+        "chunked prefill (as vLLM's and Sarathi-Serve's schedulers do): each step carries "
         "every running decode plus at most this many prompt tokens, so a long prompt is spread "
         "over several steps; 0 for the plain loop (a whole prefill batch, then a decode step)",
-        flag="prefill-chunk-tokens")
+        flag="prefill-chunk-tokens",
+    )
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:
-            raise ValueError(f"--prefill-chunk-tokens (PDSERVE_PREFILL_CHUNK_TOKENS) must be >= 0, "
-                             f"got {self.chunk_tokens}")
+            raise ValueError(
+                f"--prefill-chunk-tokens (PDSERVE_PREFILL_CHUNK_TOKENS) must be >= 0, "
+                f"got {self.chunk_tokens}"
+            )
 
 
 # The settings each role shows as flags, in --help order.
-ROLE_SETTINGS = {"router": (CommonSettings, RouterSettings),
-                 "prefill": (CommonSettings, PrefillSettings),
-                 "decode": (CommonSettings, DecodeSettings),
-                 "colocated": (CommonSettings, DecodeSettings, PrefillSettings,
-                               ColocatedSettings)}
+ROLE_SETTINGS = {
+    "router": (CommonSettings, RouterSettings),
+    "prefill": (CommonSettings, PrefillSettings),
+    "decode": (CommonSettings, DecodeSettings),
+    "colocated": (CommonSettings, DecodeSettings, PrefillSettings, ColocatedSettings),
+}
 
 
 def _positive(settings, *names: str) -> None:
     for name in names:
         if getattr(settings, name) <= 0:
-            raise ValueError(f"{_described(settings, name)} must be positive, "
-                             f"got {getattr(settings, name)}")
+            raise ValueError(
+                f"{_described(settings, name)} must be positive, got {getattr(settings, name)}"
+            )
 
 
 def _one_of(settings, name: str, choices: tuple, value=None) -> None:
     value = getattr(settings, name) if value is None else value
     if value not in choices:
-        raise ValueError(f"{_described(settings, name)} must be one of "
-                         f"{', '.join(map(repr, choices))}; got {value!r}")
+        raise ValueError(
+            f"{_described(settings, name)} must be one of "
+            f"{', '.join(map(repr, choices))}; got {value!r}"
+        )
 
 
 def _described(settings, name: str) -> str:
@@ -176,6 +206,7 @@ def _described(settings, name: str) -> str:
 
 
 # --- Names: each derived from the field, so a setting never spells them out. ---
+
 
 def settings_fields(cls) -> list[Field]:
     """The fields of `cls` made with `setting()`: the ones shown as flags."""
@@ -226,15 +257,19 @@ def _split(raw: str) -> list[str]:
 
 # --- Settings <-> command line ---
 
+
 def _converter(kind: type, variable: str):
     """Text to `kind`, failing with a message that names where the text may have come from."""
+
     def convert(text: str):
         try:
             return _BOOLS[text.lower()] if kind is bool else kind(text)
         except (KeyError, ValueError):
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not {'a' if kind is not int else 'an'} {kind.__name__} "
-                f"(from the flag or {variable})") from None
+                f"(from the flag or {variable})"
+            ) from None
+
     convert.__name__ = kind.__name__
     return convert
 
@@ -255,14 +290,19 @@ def _help(f: Field, default, raw: str | None, listed: bool) -> str:
 def _argument(kind, f: Field, default) -> dict:
     """add_argument options for one setting; the variable, when set, replaces the default."""
     raw, listed = _raw_env(env_name(f)), kind == list[str]
-    options = {"dest": _dest(f), "metavar": _dest(f).upper(),
-               "help": _help(f, default, raw, listed)}
+    options = {
+        "dest": _dest(f),
+        "metavar": _dest(f).upper(),
+        "help": _help(f, default, raw, listed),
+    }
     if listed:  # comma-separated in the variable, separate words on the command line
         return options | {"nargs": "+", "default": default if raw is None else _split(raw)}
     # A text default is converted by argparse only when the flag is absent, so a bad variable is
     # an error (exit 2, with usage) only for the command that uses it, and a flag overrides it.
-    return options | {"type": _converter(kind, env_name(f)),
-                      "default": default if raw is None else raw}
+    return options | {
+        "type": _converter(kind, env_name(f)),
+        "default": default if raw is None else raw,
+    }
 
 
 def add_flags(parser, cls, defaults: dict | None = None, only: tuple[str, ...] | None = None):
@@ -292,9 +332,13 @@ def settings_from_args(role: str, args: argparse.Namespace):
     """The settings object `services.<role>.server.serve` takes. ValueError when one is invalid."""
     common = from_args(CommonSettings, args, faults=Faults.parse(_raw_env("PDSERVE_FAULTS") or ""))
     if role == "colocated":
-        return from_args(ColocatedSettings, args, common=common,
-                         decode=from_args(DecodeSettings, args, common=common),
-                         prefill=from_args(PrefillSettings, args, common=common))
+        return from_args(
+            ColocatedSettings,
+            args,
+            common=common,
+            decode=from_args(DecodeSettings, args, common=common),
+            prefill=from_args(PrefillSettings, args, common=common),
+        )
     service = {"router": RouterSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
     return from_args(service[role], args, common=common)
 
@@ -310,6 +354,7 @@ def as_flags(cls, args: argparse.Namespace, names: tuple[str, ...]) -> list[str]
 
 
 # --- Documentation ---
+
 
 def _roles_of(cls) -> str:
     roles = [role for role, classes in ROLE_SETTINGS.items() if cls in classes]
@@ -330,8 +375,9 @@ def parse_cpu_list(text: str) -> set[int]:
         try:
             lo, hi = int(first), int(last or first)
         except ValueError:
-            raise ValueError(f"--cpus (PDSERVE_CPUS): {part!r} is not a CPU number or range "
-                             f"like 0-3") from None
+            raise ValueError(
+                f"--cpus (PDSERVE_CPUS): {part!r} is not a CPU number or range like 0-3"
+            ) from None
         if lo < 0 or hi < lo:
             raise ValueError(f"--cpus (PDSERVE_CPUS): bad range {part!r}")
         cpus.update(range(lo, hi + 1))
@@ -341,11 +387,12 @@ def parse_cpu_list(text: str) -> set[int]:
 def settings_table() -> str:
     """The Markdown table of every setting, as docs/containers.md holds it."""
     lines = ["| variable | flag | services | default | |", "|---|---|---|---|---|"]
-    for cls in (CommonSettings, DecodeSettings, PrefillSettings, RouterSettings,
-                ColocatedSettings):
+    for cls in (CommonSettings, DecodeSettings, PrefillSettings, RouterSettings, ColocatedSettings):
         for f in settings_fields(cls):
-            lines.append(f"| `{env_name(f)}` | `{flag_name(f)}` | {_roles_of(cls)} | "
-                         f"{_documented_default(f)} | {f.metadata['help']} |")
+            lines.append(
+                f"| `{env_name(f)}` | `{flag_name(f)}` | {_roles_of(cls)} | "
+                f"{_documented_default(f)} | {f.metadata['help']} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"reference comparison: {totals['tokens']} served tokens checked, "
             f"{totals['near_ties']} accepted as near-ties (top-two logits within "
-            f"{reference.TOLERANCE})")
+            f"{reference.TOLERANCE})"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +39,9 @@ def _session_stack(tmp_path_factory) -> Stack:
 
 @pytest.fixture(scope="session")
 def colocated(tmp_path_factory):
-    service = start_service("colocated", "--torch-threads", "1",
-                            tmp_dir=str(tmp_path_factory.mktemp("colocated")))
+    service = start_service(
+        "colocated", "--torch-threads", "1", tmp_dir=str(tmp_path_factory.mktemp("colocated"))
+    )
     yield service
     service.stop()
 
@@ -49,7 +51,10 @@ def stack(_session_stack: Stack) -> Stack:
     before = _session_stack.pool_stats()
     assert before.free_blocks == before.total_blocks, "a previous test leaked decode blocks"
     yield _session_stack
-    wait_until(lambda: _session_stack.pool_stats().free_blocks == before.free_blocks,
-               POOL_SETTLE_SECONDS, "decode pool free blocks to return to their start value")
+    wait_until(
+        lambda: _session_stack.pool_stats().free_blocks == before.free_blocks,
+        POOL_SETTLE_SECONDS,
+        "decode pool free blocks to return to their start value",
+    )
     after = _session_stack.pool_stats()
     assert after.running == 0 and after.pending_leases == 0

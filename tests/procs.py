@@ -5,8 +5,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.localstack import (Service, free_port, start_router, start_service,  # noqa: F401
-                                wait_until)
+# Re-exported for the tests, which import their helpers from here.
+from pdserve.localstack import (  # noqa: F401
+    Service,
+    free_port,
+    start_router,
+    start_service,
+    wait_until,
+)
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -39,8 +45,7 @@ class Stack:
         for i, decode in enumerate(self.decodes):
             if decode.proc.poll() is None:
                 stats = self.pool_stats(i)
-                if stats.free_blocks != stats.total_blocks or stats.running or \
-                        stats.pending_leases:
+                if stats.free_blocks != stats.total_blocks or stats.running or stats.pending_leases:
                     return False
         return True
 
@@ -51,20 +56,28 @@ class Stack:
             service.stop()
 
 
-def start_stack(tmp_dir: str, decode_flags=(), prefill_flags=(), router_flags=(),
-                decodes: int = 1) -> Stack:
+def start_stack(
+    tmp_dir: str, decode_flags=(), prefill_flags=(), router_flags=(), decodes: int = 1
+) -> Stack:
     started: list[Service] = []
     try:
         decode_services = []
         for _ in range(decodes):
-            decode_services.append(start_service("decode", "--torch-threads", "1", *decode_flags,
-                                                 tmp_dir=tmp_dir))
+            decode_services.append(
+                start_service("decode", "--torch-threads", "1", *decode_flags, tmp_dir=tmp_dir)
+            )
             started.append(decode_services[-1])
         prefill = start_service("prefill", "--torch-threads", "1", *prefill_flags, tmp_dir=tmp_dir)
         started.append(prefill)
-        router = start_service("router", "--prefill", prefill.address, "--decode",
-                               *[d.address for d in decode_services], *router_flags,
-                               tmp_dir=tmp_dir)
+        router = start_service(
+            "router",
+            "--prefill",
+            prefill.address,
+            "--decode",
+            *[d.address for d in decode_services],
+            *router_flags,
+            tmp_dir=tmp_dir,
+        )
     except BaseException:
         for service in started:
             service.stop(signal.SIGKILL)
@@ -82,6 +95,11 @@ def generate(stub: pb_grpc.RouterStub, request: pb.GenerateRequest, timeout: flo
     return tokens, "".join(text), last
 
 
-def greedy_request(prompt_ids: list[int], max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                              sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def greedy_request(
+    prompt_ids: list[int], max_tokens: int, request_id: str = ""
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )

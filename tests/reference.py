@@ -55,7 +55,8 @@ def check_against_reference(prompt: list[int], served: list[int]) -> Comparison:
         chosen = float(logits[token])
         assert chosen >= top - TOLERANCE, (
             f"token {i}: served {token} (logit {chosen:.6f}) but the reference's best is "
-            f"{int(logits.argmax())} (logit {top:.6f}); not a near-tie")
+            f"{int(logits.argmax())} (logit {top:.6f}); not a near-tie"
+        )
         result.tokens += 1
         TOTALS["tokens"] += 1
         if token == int(logits.argmax()):

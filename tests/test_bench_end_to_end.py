@@ -23,15 +23,19 @@ def stack():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        env={**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"})
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env={**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"},
+    )
     try:
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + READY_SECONDS
         while not check_health(address, timeout=1.0):
             if proc.poll() is not None:
-                pytest.fail(f"pdserve up exited ({proc.returncode}): "
-                            f"{proc.stderr.read().decode()[-2000:]}")
+                pytest.fail(
+                    f"pdserve up exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}"
+                )
             if time.monotonic() > deadline:
                 pytest.fail(f"the stack was not serving after {READY_SECONDS:.0f} s")
             time.sleep(0.25)
@@ -58,9 +62,28 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_bench_against_stack(stack, tmp_path, capsys):
     out = tmp_path / "run.json"
-    rc = cli.main(["--address", stack, "--rate", "8", "-n", str(NUM_REQUESTS),
-                   "--prompt-len", "16-64", "--output-len", "8-16", "--seed", "3",
-                   "--label", "disaggregated", "--json", str(out), "--timeout", "30"])
+    rc = cli.main(
+        [
+            "--address",
+            stack,
+            "--rate",
+            "8",
+            "-n",
+            str(NUM_REQUESTS),
+            "--prompt-len",
+            "16-64",
+            "--output-len",
+            "8-16",
+            "--seed",
+            "3",
+            "--label",
+            "disaggregated",
+            "--json",
+            str(out),
+            "--timeout",
+            "30",
+        ]
+    )
     assert rc == 0
     stdout = capsys.readouterr().out
     assert f"{NUM_REQUESTS} ok, 0 failed" in stdout
@@ -72,8 +95,11 @@ def test_bench_against_stack(stack, tmp_path, capsys):
     # The model as the stack reports it (conftest makes every service serve TinyGPT).
     model = conds["model"]
     assert model["reported_by"] == "the target's GetModelInfo"
-    assert (model["name"], model["architecture"], model["dtype"]) == ("tinygpt", "TinyGPT",
-                                                                      "float32")
+    assert (model["name"], model["architecture"], model["dtype"]) == (
+        "tinygpt",
+        "TinyGPT",
+        "float32",
+    )
     assert model["fingerprint"] and model["server"]["num_layers"] == ModelConfig().n_layers
     assert model["kv_bytes_per_token"] == ModelConfig().kv_bytes_per_token
     assert model["parameters"] == report.parameter_count(ModelConfig())
@@ -97,8 +123,9 @@ def test_bench_against_stack(stack, tmp_path, capsys):
         assert r["output_tokens"] == r["max_tokens"]  # ignore_eos: exact lengths
         assert len(r["itl"]) == r["output_tokens"] - 1
         assert 0 < r["ttft"] <= r["e2e"]
-        assert r["tpot"] == pytest.approx((r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1),
-                                          rel=1e-4, abs=1e-6)
+        assert r["tpot"] == pytest.approx(
+            (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1), rel=1e-4, abs=1e-6
+        )
         srv = r["server"]
         assert srv["completion_tokens"] == r["output_tokens"]
         assert srv["prompt_tokens"] == r["prompt_tokens"]
@@ -112,8 +139,14 @@ def test_bench_against_stack(stack, tmp_path, capsys):
         assert srv["time_to_first_token_seconds"] <= r["ttft"] + 1e-3
     assert s["output_tokens"] == sum(r["max_tokens"] for r in requests)
     assert s["input_tokens"] == sum(r["prompt_tokens"] for r in requests)
-    for key in ("ttft_seconds", "tpot_seconds", "itl_seconds", "e2e_seconds",
-                "handoff_bytes", "handoff_seconds"):
+    for key in (
+        "ttft_seconds",
+        "tpot_seconds",
+        "itl_seconds",
+        "e2e_seconds",
+        "handoff_bytes",
+        "handoff_seconds",
+    ):
         d = s[key]
         assert d["p50"] is not None and d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
     assert s["goodput"] <= s["request_throughput"]
@@ -122,6 +155,7 @@ def test_bench_against_stack(stack, tmp_path, capsys):
     args = ["--from-json", str(out)]
     try:
         import matplotlib  # noqa: F401
+
         args += ["--plot", str(tmp_path / "cdf.png")]
     except ImportError:
         pass

@@ -22,6 +22,7 @@ def _key(requests):
 
 # ---------------------------------------------------------------------------------- workload
 
+
 @pytest.mark.parametrize("kind", ["tokens", "text"])
 @pytest.mark.parametrize("arrival", ["poisson", "gamma"])
 def test_same_seed_same_sequence(arrival, kind):
@@ -49,16 +50,18 @@ def test_rate_only_scales_arrivals():
 
 
 def test_lengths_and_token_ranges():
-    reqs = workload.generate(_spec(prompt_len=LengthRange(64, 256),
-                                   output_len=LengthRange(16, 48)), 500)
+    reqs = workload.generate(
+        _spec(prompt_len=LengthRange(64, 256), output_len=LengthRange(16, 48)), 500
+    )
     assert reqs[0].arrival == 0.0
     assert all(b.arrival >= a.arrival for a, b in zip(reqs, reqs[1:]))
     assert {64 <= r.prompt_len <= 256 and 16 <= r.max_tokens <= 48 for r in reqs} == {True}
     assert all(32 <= t <= 126 for r in reqs for t in r.prompt_token_ids)
     # Uniform over the range: both ends get reached with 500 draws.
     assert min(r.max_tokens for r in reqs) == 16 and max(r.max_tokens for r in reqs) == 48
-    fixed = workload.generate(_spec(prompt_len=LengthRange.parse("100"),
-                                    output_len=LengthRange.parse("8")), 20)
+    fixed = workload.generate(
+        _spec(prompt_len=LengthRange.parse("100"), output_len=LengthRange.parse("8")), 20
+    )
     assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(100, 8)}
 
 
@@ -87,8 +90,10 @@ def test_gamma_burstiness_keeps_rate_and_raises_cv():
     poisson = gaps(arrival="poisson")
     bursty = gaps(arrival="gamma", burstiness=0.25)
     smooth = gaps(arrival="gamma", burstiness=4.0)
-    cv = {name: statistics.pstdev(g) / statistics.fmean(g)
-          for name, g in (("poisson", poisson), ("bursty", bursty), ("smooth", smooth))}
+    cv = {
+        name: statistics.pstdev(g) / statistics.fmean(g)
+        for name, g in (("poisson", poisson), ("bursty", bursty), ("smooth", smooth))
+    }
     assert len(bursty) / sum(bursty) == pytest.approx(10.0, rel=0.06)
     assert len(smooth) / sum(smooth) == pytest.approx(10.0, rel=0.03)
     assert cv["bursty"] > 1.5 * cv["poisson"]  # expected 2.0 vs 1.0
@@ -117,8 +122,7 @@ def test_dataset(tmp_path):
     # Two shuffled passes: each prompt exactly twice, and max_tokens from the line or the range.
     assert sorted(r.prompt for r in a) == sorted([x["prompt"] for x in lines] * 2)
     for r in a:
-        assert r.max_tokens == (3 if r.prompt == "no max tokens"
-                                else int(r.prompt.split()[-1]) + 1)
+        assert r.max_tokens == (3 if r.prompt == "no max tokens" else int(r.prompt.split()[-1]) + 1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="prompt"):
@@ -139,6 +143,7 @@ def test_spec_validation():
 
 # ---------------------------------------------------------------------------------- stats
 
+
 def test_percentiles_known_values():
     xs = list(range(1, 101))  # 1..100
     assert stats.percentile(xs, 50) == pytest.approx(50.5)
@@ -149,15 +154,32 @@ def test_percentiles_known_values():
     assert stats.percentile([10, 0], 25) == pytest.approx(2.5)  # unsorted input
     assert math.isnan(stats.percentile([], 50))
     d = stats.describe([4.0, 1.0, None, 2.0, 3.0])
-    assert d == {"count": 4, "mean": 2.5, "min": 1.0, "max": 4.0, "p50": 2.5,
-                 "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+    assert d == {
+        "count": 4,
+        "mean": 2.5,
+        "min": 1.0,
+        "max": 4.0,
+        "p50": 2.5,
+        "p90": pytest.approx(3.7),
+        "p99": pytest.approx(3.97),
+    }
     assert stats.describe([])["p50"] is None
 
 
 def _result(i, ttft, e2e, tokens, status="OK", **kw):
-    return RequestResult(index=i, request_id=str(i), prompt_tokens=100, max_tokens=tokens,
-                         scheduled=0.0, sent=0.0, status=status, ttft=ttft, e2e=e2e,
-                         output_tokens=tokens, **kw)
+    return RequestResult(
+        index=i,
+        request_id=str(i),
+        prompt_tokens=100,
+        max_tokens=tokens,
+        scheduled=0.0,
+        sent=0.0,
+        status=status,
+        ttft=ttft,
+        e2e=e2e,
+        output_tokens=tokens,
+        **kw,
+    )
 
 
 def test_tpot():
@@ -188,12 +210,14 @@ def test_goodput_counting():
 
 # ---------------------------------------------------------------------------------- report, CLI
 
+
 def test_parameter_count_matches_model():
     config = ModelConfig()
     n = report.parameter_count(config)
     assert n == 5_905_408
     import torch
     from pdserve.models.tinygpt import TinyGPT
+
     torch.manual_seed(0)
     small = ModelConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_context=128)
     assert report.parameter_count(small) == sum(p.numel() for p in TinyGPT(small).parameters())
@@ -203,24 +227,48 @@ def _model_info(name: str) -> dict:
     """What a server's GetModelInfo says for a built-in model, as fetch_model_info returns it."""
     from pdserve.models.loading import load_served_model
     from pdserve.rpc.convert import model_info_to_pb
+
     info = model_info_to_pb(load_served_model(name, weights=False))
     return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
 
 
 def test_conditions_and_text(tmp_path):
     from pdserve.bench.runner import RunOptions, RunResult
+
     spec = _spec(rate=16.0)
     options = RunOptions("127.0.0.1:1", num_requests=2)
-    conds = report.conditions(spec, [16.0], options, model_info=_model_info("tinygpt"),
-                              label="test", preset="chapter", slo_ttft=0.2, slo_tpot=0.05)
+    conds = report.conditions(
+        spec,
+        [16.0],
+        options,
+        model_info=_model_info("tinygpt"),
+        label="test",
+        preset="chapter",
+        slo_ttft=0.2,
+        slo_tpot=0.05,
+    )
     model = conds["model"]
-    assert (model["name"], model["architecture"], model["dtype"]) == ("tinygpt", "TinyGPT",
-                                                                      "float32")
+    assert (model["name"], model["architecture"], model["dtype"]) == (
+        "tinygpt",
+        "TinyGPT",
+        "float32",
+    )
     assert model["kv_bytes_per_token"] == 2 * 6 * 4 * 64 * 4  # 12288: K+V, layers, heads, dim, fp32
     assert model["reported_by"] == "the target's GetModelInfo"
-    results = [_result(0, 0.1, 0.5, 5, server={"handoff_bytes": 4096, "handoff_seconds": 0.001,
-                                                 "time_to_first_token_seconds": 0.09}),
-               _result(1, None, None, 0, status="UNAVAILABLE")]
+    results = [
+        _result(
+            0,
+            0.1,
+            0.5,
+            5,
+            server={
+                "handoff_bytes": 4096,
+                "handoff_seconds": 0.001,
+                "time_to_first_token_seconds": 0.09,
+            },
+        ),
+        _result(1, None, None, 0, status="UNAVAILABLE"),
+    ]
     doc = report.document(conds, [RunResult(spec, results, 1.0, 0.0)], 0.2, 0.05)
     text = report.report_text(doc)
     assert "1 ok, 1 failed (1 UNAVAILABLE)" in text
@@ -236,18 +284,31 @@ def test_conditions_and_text(tmp_path):
 def test_smollm2_conditions_count_its_parameters():
     model = report.model_conditions(_model_info("smollm2-135m-instruct"))
     assert (model["name"], model["architecture"], model["dtype"]) == (
-        "smollm2-135m-instruct", "LlamaForCausalLM", "bfloat16")
+        "smollm2-135m-instruct",
+        "LlamaForCausalLM",
+        "bfloat16",
+    )
     assert model["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # 23040
     # SmolLM2-135M's published count: embeddings 49152 x 576 (tied with the head) + 30 layers x
     # (q 576x576, k and v 576x192 each, o 576x576, MLP 3 x 576x1536, 2 norms of 576) + norm 576
-    assert model["parameters"] == 49152 * 576 + 30 * (
-        576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576 == 134_515_008
+    assert (
+        model["parameters"]
+        == 49152 * 576
+        + 30 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576)
+        + 576
+        == 134_515_008
+    )
 
 
 def test_conditions_without_model_info_say_unknown():
     from pdserve.bench.runner import RunOptions
-    conds = report.conditions(_spec(), [4.0], RunOptions("127.0.0.1:1", num_requests=1),
-                              model_unavailable="the target at x does not implement GetModelInfo")
+
+    conds = report.conditions(
+        _spec(),
+        [4.0],
+        RunOptions("127.0.0.1:1", num_requests=1),
+        model_unavailable="the target at x does not implement GetModelInfo",
+    )
     assert conds["model"]["name"] is None and conds["model"]["parameters"] is None
     assert "does not implement GetModelInfo" in conds["model"]["note"]
     assert report.conditions_line(conds).startswith("Conditions: model unknown, ")
@@ -296,13 +357,21 @@ def test_cli_rates_presets_and_times():
     assert cli.seconds("200ms") == pytest.approx(0.2)
     assert cli.seconds("1.5") == 1.5
     import argparse
+
     parser = argparse.ArgumentParser()
     cli.add_bench(parser.add_subparsers())
     spec, rates, options, _ = cli.build(parser.parse_args(["bench", "--preset", "chapter"]))
-    assert (spec.arrival, rates, str(spec.prompt_len), str(spec.output_len), spec.seed,
-            options.num_requests) == ("poisson", [16.0], "64-256", "16-48", 7, 100)
-    spec, rates, options, _ = cli.build(parser.parse_args(
-        ["bench", "--preset", "chapter", "--rate", "4,8", "-n", "20"]))
+    assert (
+        spec.arrival,
+        rates,
+        str(spec.prompt_len),
+        str(spec.output_len),
+        spec.seed,
+        options.num_requests,
+    ) == ("poisson", [16.0], "64-256", "16-48", 7, 100)
+    spec, rates, options, _ = cli.build(
+        parser.parse_args(["bench", "--preset", "chapter", "--rate", "4,8", "-n", "20"])
+    )
     assert rates == [4.0, 8.0] and options.num_requests == 20 and spec.seed == 7
     spec, rates, options, _ = cli.build(parser.parse_args(["bench", "--duration", "3"]))
     assert options.num_requests is None and options.duration == 3.0

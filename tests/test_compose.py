@@ -25,15 +25,24 @@ IMAGE = os.environ.get("PDSERVE_IMAGE", "pdserve:local")
 STAGE_TIMEOUT_SECONDS = 900
 CLEANUP_SECONDS = 180
 
-pytestmark = pytest.mark.skipif(os.environ.get("PDSERVE_SKIP_COMPOSE") == "1",
-                                reason="PDSERVE_SKIP_COMPOSE=1: container stage skipped")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("PDSERVE_SKIP_COMPOSE") == "1",
+    reason="PDSERVE_SKIP_COMPOSE=1: container stage skipped",
+)
 
 
 def _run_stage() -> tuple[int, str]:
     env = dict(os.environ, PDSERVE_CI_KEEP_DOCKERD="1")
-    proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=STAGE_TIMEOUT_SECONDS)
         return proc.returncode, out
@@ -78,7 +87,8 @@ def test_compose_stage_passes(stage):
     tail = "\n".join(out.splitlines()[-80:])
     assert rc == 0 and "compose_ci: PASS" in out, (
         f"scripts/compose_ci.sh failed (exit {rc}); if the Docker engine cannot be installed or "
-        f"started on this machine, set PDSERVE_SKIP_COMPOSE=1 to skip. Last lines:\n{tail}")
+        f"started on this machine, set PDSERVE_SKIP_COMPOSE=1 to skip. Last lines:\n{tail}"
+    )
     print(out)
 
 
@@ -86,11 +96,16 @@ def test_image_runs_as_non_root(stage):
     rc, _ = stage
     if rc != 0:
         pytest.fail("the CI stage failed, so the image could not be checked (see the test above)")
-    uid = subprocess.run(["docker", "run", "--rm", "--entrypoint", "id", IMAGE, "-u"],
-                         capture_output=True, text=True, timeout=120)
+    uid = subprocess.run(
+        ["docker", "run", "--rm", "--entrypoint", "id", IMAGE, "-u"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert uid.returncode == 0, uid.stderr
-    assert uid.stdout.strip().isdigit() and int(uid.stdout) != 0, \
+    assert uid.stdout.strip().isdigit() and int(uid.stdout) != 0, (
         f"{IMAGE} runs as uid {uid.stdout.strip()!r}"
+    )
 
 
 def test_image_holds_the_default_model(stage):
@@ -99,12 +114,29 @@ def test_image_holds_the_default_model(stage):
         pytest.fail("the CI stage failed, so the image could not be checked (see the test above)")
     # The default model name, resolved as a service resolves it, in a container that could
     # neither download nor write: it must find the conversion made at image build time.
-    script = ("import os; from pdserve.models.loading import load_served_model; "
-              "served = load_served_model('smollm2-135m-instruct', weights=False); "
-              "print(os.environ['PDSERVE_CACHE_DIR'], served.source, served.tokenizer.vocab_size)")
-    run = subprocess.run(["docker", "run", "--rm", "--network", "none", "--read-only",
-                          "--entrypoint", "python", IMAGE, "-c", script],
-                         capture_output=True, text=True, timeout=120)
+    script = (
+        "import os; from pdserve.models.loading import load_served_model; "
+        "served = load_served_model('smollm2-135m-instruct', weights=False); "
+        "print(os.environ['PDSERVE_CACHE_DIR'], served.source, served.tokenizer.vocab_size)"
+    )
+    run = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--read-only",
+            "--entrypoint",
+            "python",
+            IMAGE,
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     cache, source, vocab = run.stdout.split()
     assert source.startswith(cache + "/"), f"loaded from {source}, not from the cache {cache}"

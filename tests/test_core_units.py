@@ -26,7 +26,11 @@ def test_block_pool_reserves_grows_and_releases():
     assert pool.available_blocks == 5
     table.ensure(5)
     assert len(table.blocks) == 2 and pool.available_blocks == 5
-    assert table.slots(3, 6) == [table.blocks[0] * 4 + 3, table.blocks[1] * 4, table.blocks[1] * 4 + 1]
+    assert table.slots(3, 6) == [
+        table.blocks[0] * 4 + 3,
+        table.blocks[1] * 4,
+        table.blocks[1] * 4 + 1,
+    ]
     with pytest.raises(ValueError):
         table.ensure(13)
     with pytest.raises(PoolExhausted):
@@ -59,16 +63,19 @@ def spec(tokens=(1, 2, 3), **sampling) -> GenerateSpec:
     return GenerateSpec("r", tuple(tokens), SamplingSpec(**sampling))
 
 
-@pytest.mark.parametrize("bad, words", [
-    (spec(tokens=()), "no tokens"),
-    (spec(tokens=(300,)), "outside the vocabulary"),
-    (spec(max_tokens=0), "max_tokens"),
-    (spec(temperature=float("nan")), "temperature"),
-    (spec(top_p=0.0), "top_p"),
-    (spec(top_k=-2), "top_k"),
-    (spec(tokens=(1,) * 4090, max_tokens=10), "context length"),
-    (spec(stop=("",)), "stop"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (spec(tokens=()), "no tokens"),
+        (spec(tokens=(300,)), "outside the vocabulary"),
+        (spec(max_tokens=0), "max_tokens"),
+        (spec(temperature=float("nan")), "temperature"),
+        (spec(top_p=0.0), "top_p"),
+        (spec(top_k=-2), "top_k"),
+        (spec(tokens=(1,) * 4090, max_tokens=10), "context length"),
+        (spec(stop=("",)), "stop"),
+    ],
+)
 def test_validation_names_the_problem(bad, words):
     with pytest.raises(InvalidRequest, match=words):
         validate(bad, CONFIG)
@@ -79,8 +86,11 @@ def test_sampling_is_a_function_of_seed_and_step():
     s = SamplingSpec(temperature=1.0, top_p=0.9, top_k=40, seed=5)
     batched = sample(logits, [s] * 3, [0, 1, 2])
     # Each row alone, in another order: the same tokens (nothing depends on batch or history).
-    assert [sample(logits[i:i + 1], [s], [i])[0] for i in (2, 0, 1)] == \
-        [batched[2], batched[0], batched[1]]
+    assert [sample(logits[i : i + 1], [s], [i])[0] for i in (2, 0, 1)] == [
+        batched[2],
+        batched[0],
+        batched[1],
+    ]
     assert uniform(5, 0) != uniform(5, 1) and uniform(5, 0) != uniform(6, 0)
     greedy = sample(logits, [SamplingSpec()] * 3, [0, 0, 0])
     assert greedy == logits.argmax(-1).tolist()
@@ -88,9 +98,17 @@ def test_sampling_is_a_function_of_seed_and_step():
     assert top1 == greedy
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, allowed", [
-    (1.0, 0, 1.0, 4), (0.5, 0, 1.0, 4), (1.0, 2, 1.0, 2), (1.0, 0, 0.8, 2), (1.0, 0, 0.95, 3),
-    (2.0, 3, 0.99, 3)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, allowed",
+    [
+        (1.0, 0, 1.0, 4),
+        (0.5, 0, 1.0, 4),
+        (1.0, 2, 1.0, 2),
+        (1.0, 0, 0.8, 2),
+        (1.0, 0, 0.95, 3),
+        (2.0, 3, 0.99, 3),
+    ],
+)
 def test_sampled_frequencies_follow_the_definition(temperature, top_k, top_p, allowed):
     """Over 4,000 seeds, tokens follow softmax(logits / T) restricted to the top-k tokens and to
     the smallest set whose mass reaches top-p, renormalised."""
@@ -111,8 +129,9 @@ def test_kv_chunks_round_trip_and_reject_damage():
     pieces = kv_wire.encode_layer(k, v, tokens_per=16)
     assert [(a, b) for a, b, _ in pieces] == [(0, 16), (16, 32), (32, 40)]
     start, end, payload = pieces[1]
-    header = kv_wire.ChunkHeader(1, 2, start, end, "float32", (2, 16, 4, 64),
-                                 kv_wire.crc32(payload))
+    header = kv_wire.ChunkHeader(
+        1, 2, start, end, "float32", (2, 16, 4, 64), kv_wire.crc32(payload)
+    )
     k2, v2 = kv_wire.decode_chunk(header, payload, CONFIG, prompt_len=40)
     assert torch.equal(k2, k[16:32]) and torch.equal(v2, v[16:32])
     damaged = bytes([payload[0] ^ 1]) + payload[1:]
@@ -136,6 +155,7 @@ def test_kv_assembly_demands_order_and_completeness():
 def test_model_has_chapter_scale_and_identical_weights():
     from pdserve.models.decoder import parameter_count
     from pdserve.models.tinygpt import TinyGPT
+
     a, b = TinyGPT(CONFIG), TinyGPT(CONFIG)
     assert 5.5e6 < parameter_count(a) < 6.2e6
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -143,18 +163,21 @@ def test_model_has_chapter_scale_and_identical_weights():
 
 
 def test_router_never_imports_torch():
-    code = ("import sys, services.router.server, pdserve.cli; "
-            "from pdserve.models.loading import load_served_model; "
-            "load_served_model('smollm2-135m-instruct', weights=False); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, services.router.server, pdserve.cli; "
+        "from pdserve.models.loading import load_served_model; "
+        "load_served_model('smollm2-135m-instruct', weights=False); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def imported_by(module: str) -> set[str]:
     """Every module a fresh interpreter holds after importing `module` alone."""
     code = f"import sys, {module}; print('\\n'.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True
+    ).stdout
     return set(out.split())
 
 
@@ -165,19 +188,33 @@ def test_prefill_and_decode_do_not_import_each_other(service, other):
 
 
 def test_the_shared_core_imports_no_service_and_no_generated_code():
-    core = " ,".join(f"pdserve.core.{m.stem}" for m in
-                     sorted(Path(__file__).resolve().parents[1].glob("pdserve/core/*.py"))
-                     if m.stem != "__init__")
+    core = " ,".join(
+        f"pdserve.core.{m.stem}"
+        for m in sorted(Path(__file__).resolve().parents[1].glob("pdserve/core/*.py"))
+        if m.stem != "__init__"
+    )
     pulled = imported_by(core.replace(" ,", ", "))
     assert not [m for m in pulled if m.startswith(("services", "pdserve.v1", "grpc"))]
 
 
-@pytest.mark.parametrize("args", [["--help"], ["serve", "router", "--help"],
-                                  ["serve", "decode", "--help"], ["up", "--help"],
-                                  ["generate", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["serve", "router", "--help"],
+        ["serve", "decode", "--help"],
+        ["up", "--help"],
+        ["generate", "--help"],
+    ],
+)
 def test_cli_help_explains(args):
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "usage: pdserve" in out and len(out) > 200
 
 
@@ -197,6 +234,7 @@ class AbortedDuringLeave:
 
 def test_an_abort_racing_the_step_end_still_frees_the_blocks():
     from pdserve.core.decode_scheduler import DecodeScheduler
+
     pool = BlockPool(num_blocks=8, block_size=4)
     table = pool.reserve(8)
     table.ensure(8)
@@ -212,15 +250,21 @@ def colocated_engine(chunk_tokens: int):
     from pdserve.models.loading import load_served_model
     from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
     from services.colocated.engine import ColocatedEngine
+
     common = CommonSettings()
-    return ColocatedEngine(load_served_model("tinygpt"), ColocatedSettings(
-        common, DecodeSettings(common, num_blocks=64), PrefillSettings(common), chunk_tokens))
+    return ColocatedEngine(
+        load_served_model("tinygpt"),
+        ColocatedSettings(
+            common, DecodeSettings(common, num_blocks=64), PrefillSettings(common), chunk_tokens
+        ),
+    )
 
 
 def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
     engine = colocated_engine(chunk_tokens=0)
-    handle = engine.submit(GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)),
-                           lambda emission: None)
+    handle = engine.submit(
+        GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)), lambda emission: None
+    )
     remove, runners = engine.prefill.remove, []
 
     def engine_thread_schedules_first(job):
@@ -244,8 +288,9 @@ def test_chunked_prefill_cancelled_at_any_point_frees_the_reservation(cancel_aft
     or once it is decoding: its blocks come back at the next step boundary at the latest."""
     engine = colocated_engine(chunk_tokens=16)
     emissions = []
-    handle = engine.submit(GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)),
-                           emissions.append)
+    handle = engine.submit(
+        GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)), emissions.append
+    )
     for _ in range(cancel_after_chunks):
         engine.step()
     assert (handle.sequence is not None) == (cancel_after_chunks == 3)
@@ -258,6 +303,7 @@ def test_chunked_prefill_cancelled_at_any_point_frees_the_reservation(cancel_aft
 
 def test_decode_buckets_bound_the_padding():
     from pdserve.core.paged_cache import buckets_by_length
+
     lengths = [200] * 31 + [3000]
     groups = buckets_by_length(lengths)
     assert sorted(map(len, groups)) == [1, 31] and groups[0] == [31]
@@ -271,10 +317,12 @@ def test_decode_buckets_bound_the_padding():
 def test_a_retry_never_goes_first_to_an_instance_that_just_failed():
     """BackendSet.ordered puts the instances a request must avoid last, whatever the rotation."""
     from services.router.backends import BackendSet, Instance
+
     backends = BackendSet("prefill", [], lambda channel: None, "f", "model")
     for address in ("a:1", "b:1", "c:1"):
-        backends.instances[address] = Instance(address, None, None, healthy=True,
-                                               model_fingerprint="f")
+        backends.instances[address] = Instance(
+            address, None, None, healthy=True, model_fingerprint="f"
+        )
     for _ in range(6):  # every rotation
         order = [i.address for i in backends.ordered({"a:1", "c:1"})]
         assert order[0] == "b:1" and set(order[1:]) == {"a:1", "c:1"}

@@ -26,6 +26,7 @@ def run_all(stub, concurrent: bool) -> list[list[int]]:
         # Every token arrived, counted as received (not only as the server reports it).
         assert len(tokens) == last.usage.completion_tokens == MAX_TOKENS
         return tokens
+
     if not concurrent:
         return [one(p) for p in enumerate(prompts())]
     with ThreadPoolExecutor(len(PROMPT_LENGTHS)) as pool:
@@ -55,8 +56,14 @@ def test_colocated_matches_reference(colocated, concurrent):
 def test_colocated_schedules_match_reference(tmp_path, chunk_tokens):
     """The plain prefill-then-decode loop, and chunks so small that every long prompt spans many
     steps that also carry decodes (the default chunk size is covered by the tests above)."""
-    service = start_service("colocated", "--torch-threads", "1", "--prefill-chunk-tokens",
-                            chunk_tokens, tmp_dir=str(tmp_path))
+    service = start_service(
+        "colocated",
+        "--torch-threads",
+        "1",
+        "--prefill-chunk-tokens",
+        chunk_tokens,
+        tmp_dir=str(tmp_path),
+    )
     try:
         with grpc.insecure_channel(service.address) as channel:
             assert_matches_reference(run_all(pb_grpc.RouterStub(channel), concurrent=True))
@@ -70,5 +77,7 @@ def test_concurrent_equals_sequential(stack):
     concurrent = run_all(stub, concurrent=True)
     for prompt, a, b in zip(prompts(), sequential, concurrent, strict=True):
         if a != b:  # only a near-tie may split them; the reference check says whether it is one
-            assert check_against_reference(prompt, a).near_ties or \
-                check_against_reference(prompt, b).near_ties, "runs differ without a near-tie"
+            assert (
+                check_against_reference(prompt, a).near_ties
+                or check_against_reference(prompt, b).near_ties
+            ), "runs differ without a near-tie"

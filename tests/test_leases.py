@@ -19,8 +19,9 @@ MODEL = load_served_model("tinygpt", weights=False).fingerprint  # what every le
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
-    service = start_service("decode", "--torch-threads", "1",
-                            tmp_dir=str(tmp_path_factory.mktemp("decode")))
+    service = start_service(
+        "decode", "--torch-threads", "1", tmp_dir=str(tmp_path_factory.mktemp("decode"))
+    )
     channel = grpc.insecure_channel(service.address)
     yield pb_grpc.DecodeStub(channel)
     channel.close()
@@ -30,8 +31,11 @@ def decode(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def pool_returns(decode):
     yield
-    wait_until(lambda: _stats(decode).free_blocks == _stats(decode).total_blocks, 10,
-               "the decode pool to be empty again")
+    wait_until(
+        lambda: _stats(decode).free_blocks == _stats(decode).total_blocks,
+        10,
+        "the decode pool to be empty again",
+    )
 
 
 def _stats(stub) -> pb.PoolStats:
@@ -39,15 +43,22 @@ def _stats(stub) -> pb.PoolStats:
 
 
 def reserve(stub, request_id="r1", ttl=0.0, max_tokens=4):
-    call = stub.Generate(pb.DecodeRequest(
-        request_id=request_id, prompt_token_ids=PROMPT, lease_ttl_seconds=ttl,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        model_fingerprint=MODEL), timeout=30)
+    call = stub.Generate(
+        pb.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT,
+            lease_ttl_seconds=ttl,
+            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            model_fingerprint=MODEL,
+        ),
+        timeout=30,
+    )
     return call, next(call).lease
 
 
-def kv_pushes(lease_id: str, request_id: str = "r1", first_token: int = 3,
-              prompt=PROMPT) -> list[pb.KvPush]:
+def kv_pushes(
+    lease_id: str, request_id: str = "r1", first_token: int = 3, prompt=PROMPT
+) -> list[pb.KvPush]:
     """A valid KV stream for PROMPT, computed by the model here, ending with its commit."""
     layers = []
     model().prefill_packed([prompt], lambda layer, k, v: layers.append((layer, k, v)))
@@ -55,14 +66,34 @@ def kv_pushes(lease_id: str, request_id: str = "r1", first_token: int = 3,
     for layer, k, v in layers:
         for start, end, payload in kv_wire.encode_layer(k, v, tokens_per=32):
             crcs.append(kv_wire.crc32(payload))
-            pushes.append(pb.KvPush(chunk=pb.KvChunk(
-                lease_id=lease_id, index=len(crcs) - 1, layer=layer, token_start=start,
-                token_end=end, dtype=pb.DTYPE_FLOAT32, shape=[2, end - start, 4, 64],
-                data=payload, crc32=crcs[-1], model_fingerprint=MODEL)))
-    pushes.append(pb.KvPush(commit=pb.KvCommit(
-        lease_id=lease_id, first_token_id=first_token, num_chunks=len(crcs),
-        digest=kv_wire.digest(crcs), request_id=request_id,
-        prompt_digest=kv_wire.prompt_digest(PROMPT))))
+            pushes.append(
+                pb.KvPush(
+                    chunk=pb.KvChunk(
+                        lease_id=lease_id,
+                        index=len(crcs) - 1,
+                        layer=layer,
+                        token_start=start,
+                        token_end=end,
+                        dtype=pb.DTYPE_FLOAT32,
+                        shape=[2, end - start, 4, 64],
+                        data=payload,
+                        crc32=crcs[-1],
+                        model_fingerprint=MODEL,
+                    )
+                )
+            )
+    pushes.append(
+        pb.KvPush(
+            commit=pb.KvCommit(
+                lease_id=lease_id,
+                first_token_id=first_token,
+                num_chunks=len(crcs),
+                digest=kv_wire.digest(crcs),
+                request_id=request_id,
+                prompt_digest=kv_wire.prompt_digest(PROMPT),
+            )
+        )
+    )
     return pushes
 
 
@@ -97,10 +128,16 @@ def test_commit_is_idempotent_and_a_conflicting_one_is_refused(decode):
     assert push(decode, pushes).newly_committed
     again = push(decode, [pushes[-1]])
     assert not again.newly_committed and again.bytes == 2 * 6 * 4 * 64 * len(PROMPT) * 4
-    conflicting = pb.KvPush(commit=pb.KvCommit(
-        lease_id=lease.lease_id, first_token_id=4, num_chunks=pushes[-1].commit.num_chunks,
-        digest=pushes[-1].commit.digest, request_id="r1",
-        prompt_digest=pushes[-1].commit.prompt_digest))
+    conflicting = pb.KvPush(
+        commit=pb.KvCommit(
+            lease_id=lease.lease_id,
+            first_token_id=4,
+            num_chunks=pushes[-1].commit.num_chunks,
+            digest=pushes[-1].commit.digest,
+            request_id="r1",
+            prompt_digest=pushes[-1].commit.prompt_digest,
+        )
+    )
     err = push_error(decode, [conflicting])
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "other contents" in err.details()
     events = list(call)
@@ -128,14 +165,17 @@ def test_a_commit_for_another_request_is_refused(decode):
     assert ended.value.code() == grpc.StatusCode.ABORTED
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda c: setattr(c, "index", 5), "expected chunk 0"),
-    (lambda c: setattr(c, "dtype", pb.DTYPE_FLOAT16), "dtype"),
-    (lambda c: c.shape.__setitem__(2, 8), "shape"),
-    (lambda c: setattr(c, "token_end", 999), "outside"),
-    (lambda c: setattr(c, "crc32", c.crc32 ^ 1), "CRC"),
-    (lambda c: setattr(c, "layer", 6), "layer"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda c: setattr(c, "index", 5), "expected chunk 0"),
+        (lambda c: setattr(c, "dtype", pb.DTYPE_FLOAT16), "dtype"),
+        (lambda c: c.shape.__setitem__(2, 8), "shape"),
+        (lambda c: setattr(c, "token_end", 999), "outside"),
+        (lambda c: setattr(c, "crc32", c.crc32 ^ 1), "CRC"),
+        (lambda c: setattr(c, "layer", 6), "layer"),
+    ],
+)
 def test_a_bad_first_chunk_voids_the_lease(decode, damage, words):
     call, lease = reserve(decode)
     pushes = kv_pushes(lease.lease_id)
@@ -157,9 +197,15 @@ def test_a_stream_that_ends_before_its_commit_voids_the_lease(decode):
 
 def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
     def big():
-        call = decode.Generate(pb.DecodeRequest(
-            request_id="big", prompt_token_ids=[1] * 4000,
-            sampling=pb.SamplingParams(max_tokens=96), model_fingerprint=MODEL), timeout=30)
+        call = decode.Generate(
+            pb.DecodeRequest(
+                request_id="big",
+                prompt_token_ids=[1] * 4000,
+                sampling=pb.SamplingParams(max_tokens=96),
+                model_fingerprint=MODEL,
+            ),
+            timeout=30,
+        )
         return call, next(call)
 
     fits = _stats(decode).total_blocks // (4096 // 16)

@@ -26,10 +26,12 @@ def scrape(port: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def metered_stack(tmp_path_factory):
     ports = {role: free_port() for role in ("router", "prefill", "decode")}
-    stack = start_stack(str(tmp_path_factory.mktemp("metered")),
-                        decode_flags=("--metrics-port", str(ports["decode"])),
-                        prefill_flags=("--metrics-port", str(ports["prefill"])),
-                        router_flags=("--metrics-port", str(ports["router"])))
+    stack = start_stack(
+        str(tmp_path_factory.mktemp("metered")),
+        decode_flags=("--metrics-port", str(ports["decode"])),
+        prefill_flags=("--metrics-port", str(ports["prefill"])),
+        router_flags=("--metrics-port", str(ports["router"])),
+    )
     yield stack, ports
     stack.stop()
 
@@ -66,14 +68,21 @@ def prometheus(metered_stack, tmp_path):
     assert binary, "prometheus is not installed: scripts/test.sh installs Debian's package"
     _, ports = metered_stack
     config = tmp_path / "prometheus.yml"
-    config.write_text(PROMETHEUS_CONFIG.format(
-        targets=", ".join(f"'127.0.0.1:{p}'" for p in ports.values())))
+    config.write_text(
+        PROMETHEUS_CONFIG.format(targets=", ".join(f"'127.0.0.1:{p}'" for p in ports.values()))
+    )
     port = free_port()
     with open(tmp_path / "prometheus.log", "w") as log:
-        proc = subprocess.Popen([binary, f"--config.file={config}",
-                                 f"--storage.tsdb.path={tmp_path / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
     try:
@@ -95,25 +104,39 @@ def promql(base: str, query: str) -> list:
 def test_prometheus_scrapes_handoff_latency_under_load(metered_stack, prometheus):
     stack, _ = metered_stack
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: generate(stack.router_stub(), greedy_request([i] * 200, 4)),
-                      range(16)))
-    query = ('histogram_quantile(0.9, sum by (le) '
-             '(pdserve_handoff_seconds_bucket{service="prefill"}))')
-    result = wait_until(lambda: [r for r in promql(prometheus, query)
-                                 if r["value"][1] not in ("NaN", "0")], 60,
-                        "Prometheus to answer the handoff latency quantile")
+        list(
+            pool.map(
+                lambda i: generate(stack.router_stub(), greedy_request([i] * 200, 4)), range(16)
+            )
+        )
+    query = (
+        'histogram_quantile(0.9, sum by (le) (pdserve_handoff_seconds_bucket{service="prefill"}))'
+    )
+    result = wait_until(
+        lambda: [r for r in promql(prometheus, query) if r["value"][1] not in ("NaN", "0")],
+        60,
+        "Prometheus to answer the handoff latency quantile",
+    )
     p90 = float(result[0]["value"][1])
     assert 1e-4 <= p90 <= 60
-    wait_until(lambda: any(float(r["value"][1]) >= 16 for r in promql(
-        prometheus, 'pdserve_handoff_seconds_count{service="decode"}')), 30,
-        "Prometheus to have scraped decode's handoff count")
+    wait_until(
+        lambda: any(
+            float(r["value"][1]) >= 16
+            for r in promql(prometheus, 'pdserve_handoff_seconds_count{service="decode"}')
+        ),
+        30,
+        "Prometheus to have scraped decode's handoff count",
+    )
 
 
 def histogram(samples: dict[str, float], name: str, service: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of a histogram's buckets, in order."""
-    prefix = f"{name}_bucket{{le=\""
-    rows = [(float(key[len(prefix):].split('"')[0]), value) for key, value in samples.items()
-            if key.startswith(prefix) and f'service="{service}"' in key]
+    prefix = f'{name}_bucket{{le="'
+    rows = [
+        (float(key[len(prefix) :].split('"')[0]), value)
+        for key, value in samples.items()
+        if key.startswith(prefix) and f'service="{service}"' in key
+    ]
     return sorted(rows)
 
 
@@ -131,11 +154,32 @@ def test_bench_summary_agrees_with_the_servers_metrics(metered_stack, tmp_path):
     stack, ports = metered_stack
     before = scrape(ports["router"])
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--address",
-                    stack.router.address, "--num-requests", "100", "--rate", "25",
-                    "--prompt-len", "16-128", "--output-len", "4-12", "--seed", "3",
-                    "--no-progress", "--json", str(out)], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "bench",
+            "--address",
+            stack.router.address,
+            "--num-requests",
+            "100",
+            "--rate",
+            "25",
+            "--prompt-len",
+            "16-128",
+            "--output-len",
+            "4-12",
+            "--seed",
+            "3",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     summary = json.loads(out.read_text())["runs"][0]["summary"]
     after = scrape(ports["router"])
     ok_key = 'pdserve_requests_total{code="OK",outcome="ok",service="router"}'
@@ -145,8 +189,10 @@ def test_bench_summary_agrees_with_the_servers_metrics(metered_stack, tmp_path):
     assert summary["output_tokens"] == after[tokens_key] - before.get(tokens_key, 0)
     # Only this run's observations: subtract the buckets as they were before it.
     old = dict(histogram(before, "pdserve_time_to_first_token_seconds", "router"))
-    buckets = [(upper, count - old.get(upper, 0)) for upper, count in
-               histogram(after, "pdserve_time_to_first_token_seconds", "router")]
+    buckets = [
+        (upper, count - old.get(upper, 0))
+        for upper, count in histogram(after, "pdserve_time_to_first_token_seconds", "router")
+    ]
     n = summary["ttft_seconds"]["count"]
     for q in (50, 90, 99):
         position = q / 100 * (n - 1)  # linear interpolation between these two ranks

@@ -22,8 +22,9 @@ def mismatched(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("mismatch"))
     decode = start_service("decode", *OTHER, "--torch-threads", "1", tmp_dir=tmp)
     prefill = start_service("prefill", "--torch-threads", "1", tmp_dir=tmp)
-    router = start_service("router", "--prefill", prefill.address, "--decode", decode.address,
-                           tmp_dir=tmp, ready=False)
+    router = start_service(
+        "router", "--prefill", prefill.address, "--decode", decode.address, tmp_dir=tmp, ready=False
+    )
     yield router, prefill, decode
     for service in (router, prefill, decode):
         service.stop()
@@ -53,9 +54,12 @@ def test_decode_refuses_a_lease_and_kv_of_another_model(mismatched):
     _, _, decode = mismatched
     with grpc.insecure_channel(decode.address) as channel:
         stub = pb_grpc.DecodeStub(channel)
-        request = pb.DecodeRequest(request_id="x", prompt_token_ids=[1, 2],
-                                   sampling=pb.SamplingParams(max_tokens=2),
-                                   model_fingerprint="0123456789abcdef")
+        request = pb.DecodeRequest(
+            request_id="x",
+            prompt_token_ids=[1, 2],
+            sampling=pb.SamplingParams(max_tokens=2),
+            model_fingerprint="0123456789abcdef",
+        )
         with pytest.raises(grpc.RpcError) as err:
             next(stub.Generate(request, timeout=5))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -66,9 +70,17 @@ def test_decode_refuses_a_lease_and_kv_of_another_model(mismatched):
         request.model_fingerprint = info.fingerprint
         call = stub.Generate(request, timeout=10)
         lease = next(call).lease
-        chunk = pb.KvChunk(lease_id=lease.lease_id, index=0, layer=0, token_start=0, token_end=2,
-                           dtype=pb.DTYPE_BFLOAT16, shape=[2, 2, 4, 64], data=bytes(2048),
-                           model_fingerprint="0123456789abcdef")
+        chunk = pb.KvChunk(
+            lease_id=lease.lease_id,
+            index=0,
+            layer=0,
+            token_start=0,
+            token_end=2,
+            dtype=pb.DTYPE_BFLOAT16,
+            shape=[2, 2, 4, 64],
+            data=bytes(2048),
+            model_fingerprint="0123456789abcdef",
+        )
         with pytest.raises(grpc.RpcError) as err:
             stub.PushKv(iter([pb.KvPush(chunk=chunk)]), timeout=5)
         assert "0123456789abcdef" in err.value.details()
@@ -80,10 +92,17 @@ def test_prefill_refuses_a_request_for_another_model(mismatched):
     _, prefill, _ = mismatched
     with grpc.insecure_channel(prefill.address) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.PrefillStub(channel).Prefill(pb.PrefillRequest(
-                request_id="x", prompt_token_ids=[1], sampling=pb.SamplingParams(max_tokens=1),
-                lease_id="l", decode_address="127.0.0.1:1", model_fingerprint="feedfeedfeedfeed"),
-                timeout=5)
+            pb_grpc.PrefillStub(channel).Prefill(
+                pb.PrefillRequest(
+                    request_id="x",
+                    prompt_token_ids=[1],
+                    sampling=pb.SamplingParams(max_tokens=1),
+                    lease_id="l",
+                    decode_address="127.0.0.1:1",
+                    model_fingerprint="feedfeedfeedfeed",
+                ),
+                timeout=5,
+            )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "feedfeedfeedfeed" in err.value.details()
 
@@ -96,6 +115,7 @@ def _settled(stub) -> bool:
 @pytest.mark.parametrize("dtype, size", [("bfloat16", 2), ("float16", 2)])
 def test_half_precision_kv_moves_half_the_bytes(tmp_path, dtype, size):
     from procs import start_stack
+
     flags = ("--dtype", dtype)
     stack = start_stack(str(tmp_path), decode_flags=flags, prefill_flags=flags, router_flags=flags)
     try:

@@ -46,8 +46,9 @@ def reference_logits(ref, tokens: list[int]) -> torch.Tensor:
         return ref(torch.tensor([tokens])).logits[0]
 
 
-@pytest.mark.parametrize("name, old", CASES, ids=[f"{n}{'-old-config' if o else ''}"
-                                                 for n, o in CASES])
+@pytest.mark.parametrize(
+    "name, old", CASES, ids=[f"{n}{'-old-config' if o else ''}" for n, o in CASES]
+)
 def test_prefill_and_paged_decode_logits_match_transformers(checkpoints, name, old):
     directory = checkpoints[(name, old)]
     served, ref = load_served_model(str(directory)), tc.reference(directory)
@@ -55,8 +56,9 @@ def test_prefill_and_paged_decode_logits_match_transformers(checkpoints, name, o
     packed = served.model.prefill_packed(batch, lambda *kv: None)
     for prompt, logits in zip(batch, packed):
         assert (logits - reference_logits(ref, prompt)[-1]).abs().max() < TOLERANCE
-    worst = paged_decode_against_reference(served, lambda s: reference_logits(ref, s)[-1], batch,
-                                           steps=6)
+    worst = paged_decode_against_reference(
+        served, lambda s: reference_logits(ref, s)[-1], batch, steps=6
+    )
     assert worst < TOLERANCE, f"paged decode differs from transformers by {worst}"
 
 
@@ -85,7 +87,9 @@ def paged_decode_against_reference(served, reference_last_logits, batch, steps: 
     def store(layer, k, v):
         start = 0
         for t, p in zip(tables, batch):
-            cache.write(layer, t.slots(0, len(p)), k[start:start + len(p)], v[start:start + len(p)])
+            cache.write(
+                layer, t.slots(0, len(p)), k[start : start + len(p)], v[start : start + len(p)]
+            )
             start += len(p)
 
     logits = served.model.prefill_packed(batch, store)
@@ -106,9 +110,10 @@ def paged_decode_against_reference(served, reference_last_logits, batch, steps: 
 
 
 def reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 GREEDY_TOKENS = 12
@@ -116,13 +121,13 @@ GREEDY_TOKENS = 12
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias"])
 def test_greedy_generation_equals_transformers_disaggregated_and_colocated(
-        checkpoints, tmp_path, name):
+    checkpoints, tmp_path, name
+):
     directory = checkpoints[(name, False)]
     ref = tc.reference(directory)
     expected = [reference_greedy(ref, p, GREEDY_TOKENS) for p in prompts()]
     model = ("--model", str(directory))
-    stack = start_stack(str(tmp_path), decode_flags=model, prefill_flags=model,
-                        router_flags=model)
+    stack = start_stack(str(tmp_path), decode_flags=model, prefill_flags=model, router_flags=model)
     colocated = start_service("colocated", *model, "--torch-threads", "1", tmp_dir=str(tmp_path))
     try:
         with grpc.insecure_channel(colocated.address) as channel:
@@ -147,12 +152,15 @@ def _greedy(stub, prompt: list[int]) -> list[int]:
 def test_chat_template_renders_as_transformers_does(checkpoints):
     from transformers import AutoTokenizer
     from pdserve.models.tokenizer import ChatMessage
+
     directory = checkpoints[("llama-tied", False)]
     served = load_served_model(str(directory), weights=False)
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Grüße 🙂 quick fox?")]
     theirs = AutoTokenizer.from_pretrained(directory).apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True,
-        tokenize=True)
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     theirs = theirs["input_ids"] if isinstance(theirs, dict) or hasattr(theirs, "keys") else theirs
     assert served.tokenizer.render_chat(messages) == list(theirs)
     assert served.tokenizer.eos_token_ids == {1, 2}  # generation_config.json's list
@@ -173,39 +181,49 @@ def test_streamed_text_never_splits_a_character(checkpoints):
 
 # ------------------------------------------------------------------------------ broken checkpoints
 
+
 def _copy(directory, tmp_path):
     return shutil.copytree(directory, tmp_path / "broken")
 
 
 def _rewrite_tensors(path, change):
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(path))
     change(tensors)
     save_file(tensors, str(path))
 
 
-@pytest.mark.parametrize("breakage, words", [
-    ("missing tensor", "model.layers.1.mlp.up_proj.weight' is missing"),
-    ("wrong shape", "has shape [128, 32]"),
-    ("no tokenizer", "tokenizer.json: file not found"),
-    ("bad field", "field 'num_hidden_layers' is 'two'"),
-    ("unknown architecture", "GPTNeoXForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "breakage, words",
+    [
+        ("missing tensor", "model.layers.1.mlp.up_proj.weight' is missing"),
+        ("wrong shape", "has shape [128, 32]"),
+        ("no tokenizer", "tokenizer.json: file not found"),
+        ("bad field", "field 'num_hidden_layers' is 'two'"),
+        ("unknown architecture", "GPTNeoXForCausalLM"),
+    ],
+)
 def test_a_broken_checkpoint_is_refused_with_the_file_and_field_named(
-        checkpoints, tmp_path, breakage, words):
+    checkpoints, tmp_path, breakage, words
+):
     directory = _copy(checkpoints[("llama-gqa-untied", False)], tmp_path)
     weights = directory / "model.safetensors"
     config = json.loads((directory / "config.json").read_text())
     if breakage == "missing tensor":
         _rewrite_tensors(weights, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     elif breakage == "wrong shape":
-        _rewrite_tensors(weights, lambda t: t.update(
-            {"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 32)}))
+        _rewrite_tensors(
+            weights, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 32)})
+        )
     elif breakage == "no tokenizer":
         (directory / "tokenizer.json").unlink()
     else:
-        config.update({"num_hidden_layers": "two"} if breakage == "bad field"
-                      else {"architectures": ["GPTNeoXForCausalLM"]})
+        config.update(
+            {"num_hidden_layers": "two"}
+            if breakage == "bad field"
+            else {"architectures": ["GPTNeoXForCausalLM"]}
+        )
         (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=None) as err:
         load_served_model(str(directory))
@@ -215,9 +233,22 @@ def test_a_broken_checkpoint_is_refused_with_the_file_and_field_named(
 def test_a_service_given_a_broken_checkpoint_exits_with_a_message(checkpoints, tmp_path):
     directory = _copy(checkpoints[("llama-gqa-untied", False)], tmp_path)
     (directory / "tokenizer.json").unlink()
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "decode", "--model",
-                             str(directory), "--port", "0"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "decode",
+            "--model",
+            str(directory),
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "tokenizer.json: file not found" in result.stderr
     assert "Traceback" not in result.stderr
@@ -225,19 +256,32 @@ def test_a_service_given_a_broken_checkpoint_exits_with_a_message(checkpoints, t
 
 # ------------------------------------------------------------------------- bad input, one model
 
+
 def test_bad_input_to_a_real_tokenizer_stack(checkpoints, tmp_path):
     directory = checkpoints[("qwen2-bias", False)]
     model = ("--model", str(directory))
-    stack = start_stack(str(tmp_path), decode_flags=model, prefill_flags=model,
-                        router_flags=model)
+    stack = start_stack(str(tmp_path), decode_flags=model, prefill_flags=model, router_flags=model)
     stub = stack.router_stub()
     cases = [
-        (pb.GenerateRequest(prompt_token_ids=[5, tc.VOCAB + 3],
-                            sampling=pb.SamplingParams(max_tokens=2)), "outside the vocabulary"),
-        (pb.GenerateRequest(prompt_token_ids=[5] * 600, sampling=pb.SamplingParams(max_tokens=2)),
-         "over the context length of 512"),
-        (pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")],
-                            sampling=pb.SamplingParams(max_tokens=2)), "role 'wizard'"),
+        (
+            pb.GenerateRequest(
+                prompt_token_ids=[5, tc.VOCAB + 3], sampling=pb.SamplingParams(max_tokens=2)
+            ),
+            "outside the vocabulary",
+        ),
+        (
+            pb.GenerateRequest(
+                prompt_token_ids=[5] * 600, sampling=pb.SamplingParams(max_tokens=2)
+            ),
+            "over the context length of 512",
+        ),
+        (
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="wizard", content="hi")],
+                sampling=pb.SamplingParams(max_tokens=2),
+            ),
+            "role 'wizard'",
+        ),
     ]
     try:
         for request, words in cases:
@@ -246,13 +290,18 @@ def test_bad_input_to_a_real_tokenizer_stack(checkpoints, tmp_path):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert words in err.value.details()
         # And it keeps serving: a chat and a text prompt, tokenized by the checkpoint's tokenizer.
-        chat = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="quick fox")],
-                                  sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
-        text = pb.GenerateRequest(prompt="The quick brown",
-                                  sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+        chat = pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content="quick fox")],
+            sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True),
+        )
+        text = pb.GenerateRequest(
+            prompt="The quick brown", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+        )
         served = load_served_model(str(directory), weights=False)
-        for request, prompt_len in ((chat, len(served.tokenizer.render_chat(
-                [_user("quick fox")]))), (text, len(served.tokenizer.encode("The quick brown")))):
+        for request, prompt_len in (
+            (chat, len(served.tokenizer.render_chat([_user("quick fox")]))),
+            (text, len(served.tokenizer.encode("The quick brown"))),
+        ):
             _, _, last = generate(stub, request, timeout=20)
             assert last.usage.prompt_tokens == prompt_len and last.usage.completion_tokens == 3
     finally:
@@ -261,6 +310,7 @@ def test_bad_input_to_a_real_tokenizer_stack(checkpoints, tmp_path):
 
 def _user(content: str):
     from pdserve.models.tokenizer import ChatMessage
+
     return ChatMessage("user", content)
 
 

@@ -13,8 +13,10 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 def test_64_concurrent_mixed_requests_all_finish(stack):
     rng = random.Random(11)
-    jobs = [([rng.randrange(256) for _ in range(rng.randint(1, 300))], rng.randint(1, 40))
-            for _ in range(64)]
+    jobs = [
+        ([rng.randrange(256) for _ in range(rng.randint(1, 300))], rng.randint(1, 40))
+        for _ in range(64)
+    ]
     stub = stack.router_stub()
 
     def one(job):
@@ -44,8 +46,12 @@ def test_final_response_reports_usage_and_handoff(stack):
 
 
 def sampled(seed: int, prompt: str = "The same seed, the same tokens") -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-        max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed, ignore_eos=True))
+    return pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(
+            max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed, ignore_eos=True
+        ),
+    )
 
 
 def test_seeded_sampling_is_identical_across_paths(stack, colocated):
@@ -68,8 +74,9 @@ def test_stop_string_ends_generation_without_it(stack):
     assert printable, "the model produced no ASCII token to stop on"
     at = printable[len(printable) // 2]
     stop = chr(tokens[at])
-    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-        max_tokens=24, stop=[stop], ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt=prompt, sampling=pb.SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True)
+    )
     _, stopped_text, last = generate(stack.router_stub(), request)
     assert last.finish_reason == pb.FINISH_REASON_STOP
     assert stop not in stopped_text
@@ -78,30 +85,48 @@ def test_stop_string_ends_generation_without_it(stack):
 
 BAD_REQUESTS = {
     "empty prompt": (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)), "empty"),
-    "both prompt and ids": (pb.GenerateRequest(prompt="a", prompt_token_ids=[1],
-                                               sampling=pb.SamplingParams(max_tokens=4)), "not several"),
-    "token id too large": (pb.GenerateRequest(prompt_token_ids=[1, 99999],
-                                              sampling=pb.SamplingParams(max_tokens=4)),
-                           "outside the vocabulary"),
-    "negative token id": (pb.GenerateRequest(prompt_token_ids=[-1],
-                                             sampling=pb.SamplingParams(max_tokens=4)),
-                          "outside the vocabulary"),
-    "over the context": (pb.GenerateRequest(prompt_token_ids=[1] * 4000,
-                                            sampling=pb.SamplingParams(max_tokens=200)),
-                         "context length"),
-    "max_tokens zero": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=0)),
-                        "max_tokens"),
-    "max_tokens negative": (pb.GenerateRequest(prompt="a",
-                                               sampling=pb.SamplingParams(max_tokens=-3)),
-                            "max_tokens"),
-    "temperature negative": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
-        max_tokens=4, temperature=-0.5)), "temperature"),
-    "top_p above one": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
-        max_tokens=4, top_p=1.5)), "top_p"),
-    "top_p negative": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
-        max_tokens=4, top_p=-0.1)), "top_p"),
-    "top_k negative": (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(
-        max_tokens=4, top_k=-1)), "top_k"),
+    "both prompt and ids": (
+        pb.GenerateRequest(
+            prompt="a", prompt_token_ids=[1], sampling=pb.SamplingParams(max_tokens=4)
+        ),
+        "not several",
+    ),
+    "token id too large": (
+        pb.GenerateRequest(prompt_token_ids=[1, 99999], sampling=pb.SamplingParams(max_tokens=4)),
+        "outside the vocabulary",
+    ),
+    "negative token id": (
+        pb.GenerateRequest(prompt_token_ids=[-1], sampling=pb.SamplingParams(max_tokens=4)),
+        "outside the vocabulary",
+    ),
+    "over the context": (
+        pb.GenerateRequest(prompt_token_ids=[1] * 4000, sampling=pb.SamplingParams(max_tokens=200)),
+        "context length",
+    ),
+    "max_tokens zero": (
+        pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=0)),
+        "max_tokens",
+    ),
+    "max_tokens negative": (
+        pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=-3)),
+        "max_tokens",
+    ),
+    "temperature negative": (
+        pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=4, temperature=-0.5)),
+        "temperature",
+    ),
+    "top_p above one": (
+        pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=4, top_p=1.5)),
+        "top_p",
+    ),
+    "top_p negative": (
+        pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=4, top_p=-0.1)),
+        "top_p",
+    ),
+    "top_k negative": (
+        pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=4, top_k=-1)),
+        "top_k",
+    ),
 }
 
 
@@ -126,8 +151,11 @@ def test_client_cancel_mid_stream_frees_decode_blocks(stack):
     held = stack.pool_stats()
     assert held.free_blocks < start.free_blocks and held.running == 1
     call.cancel()
-    wait_until(lambda: stack.pool_stats().free_blocks == start.free_blocks, 10,
-               "blocks to be freed after the client cancelled")
+    wait_until(
+        lambda: stack.pool_stats().free_blocks == start.free_blocks,
+        10,
+        "blocks to be freed after the client cancelled",
+    )
     assert stack.pool_stats().running == 0
 
 

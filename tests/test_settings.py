@@ -14,8 +14,11 @@ from pdserve.cli import build_parser, main
 from pdserve.launcher import SHARED_SETTINGS, stack_commands
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPOSE = "\n".join(line for line in (ROOT / "docker-compose.yml").read_text().splitlines()
-                    if not line.lstrip().startswith("#"))  # its comments name examples
+COMPOSE = "\n".join(
+    line
+    for line in (ROOT / "docker-compose.yml").read_text().splitlines()
+    if not line.lstrip().startswith("#")
+)  # its comments name examples
 CONTAINERS_DOC = (ROOT / "docs" / "containers.md").read_text()
 # Compose defaults that are deployment choices, not copies of a setting's default.
 COMPOSE_OWN_DEFAULTS = {"PDSERVE_TORCH_THREADS"}
@@ -23,8 +26,12 @@ COMPOSE_OWN_DEFAULTS = {"PDSERVE_TORCH_THREADS"}
 
 def all_settings() -> dict[str, object]:
     """Every setting's variable, mapped to its field."""
-    return {cfg.env_name(f): f for classes in cfg.ROLE_SETTINGS.values()
-            for cls in classes for f in cfg.settings_fields(cls)}
+    return {
+        cfg.env_name(f): f
+        for classes in cfg.ROLE_SETTINGS.values()
+        for cls in classes
+        for f in cfg.settings_fields(cls)
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +55,7 @@ def help_text(capsys, *argv: str) -> str:
 
 # --- the compose file and the docs ---
 
+
 def test_compose_passes_only_defined_settings():
     passed = set(re.findall(r"^\s+(PDSERVE_\w+):", COMPOSE, re.MULTILINE))
     assert {"PDSERVE_MODEL", "PDSERVE_DTYPE", "PDSERVE_NUM_BLOCKS"} <= passed
@@ -56,8 +64,11 @@ def test_compose_passes_only_defined_settings():
 
 def test_compose_repeats_no_default():
     defaults = dict(re.findall(r"\$\{(PDSERVE_\w+):-([^}]*)\}", COMPOSE))
-    repeated = {name for name, default in defaults.items()
-                if name in all_settings() and default and name not in COMPOSE_OWN_DEFAULTS}
+    repeated = {
+        name
+        for name, default in defaults.items()
+        if name in all_settings() and default and name not in COMPOSE_OWN_DEFAULTS
+    }
     assert repeated == set()
 
 
@@ -78,6 +89,7 @@ def test_docs_settings_table_is_current():
 
 # --- the command line ---
 
+
 @pytest.mark.parametrize("role", list(cfg.ROLE_SETTINGS))
 def test_help_lists_every_setting_of_the_role_with_its_variable(capsys, role):
     text = help_text(capsys, "serve", role)
@@ -92,24 +104,36 @@ def test_up_help_shows_model_and_dtype(capsys):
     assert "--model" in text and "PDSERVE_MODEL" in text and "--dtype" in text
 
 
-@pytest.mark.parametrize("role,expected", [
-    ("router", cfg.RouterSettings(cfg.CommonSettings(port=50051))),
-    ("prefill", cfg.PrefillSettings(cfg.CommonSettings(port=50052))),
-    ("decode", cfg.DecodeSettings(cfg.CommonSettings(port=50053))),
-])
+@pytest.mark.parametrize(
+    "role,expected",
+    [
+        ("router", cfg.RouterSettings(cfg.CommonSettings(port=50051))),
+        ("prefill", cfg.PrefillSettings(cfg.CommonSettings(port=50052))),
+        ("decode", cfg.DecodeSettings(cfg.CommonSettings(port=50053))),
+    ],
+)
 def test_flag_defaults_are_the_dataclass_defaults(role, expected):
     assert parsed_settings(role) == expected
 
 
 def test_variables_override_defaults_with_the_right_type(monkeypatch):
-    for name, value in {"NUM_BLOCKS": "128", "LEASE_TTL_SECONDS": "2.5", "MODEL": "tinygpt",
-                        "DTYPE": "float16", "MAX_DECODE_BATCH": "7", "PORT": "6000"}.items():
+    for name, value in {
+        "NUM_BLOCKS": "128",
+        "LEASE_TTL_SECONDS": "2.5",
+        "MODEL": "tinygpt",
+        "DTYPE": "float16",
+        "MAX_DECODE_BATCH": "7",
+        "PORT": "6000",
+    }.items():
         monkeypatch.setenv(cfg.ENV_PREFIX + name, value)
     decode = parsed_settings("decode")
     assert (decode.num_blocks, decode.lease_ttl_seconds, decode.max_batch) == (128, 2.5, 7)
     assert type(decode.num_blocks) is int and type(decode.lease_ttl_seconds) is float
     assert (decode.common.model, decode.common.dtype, decode.common.port) == (
-        "tinygpt", "float16", 6000)
+        "tinygpt",
+        "float16",
+        6000,
+    )
     assert parsed_settings("decode", "--num-blocks", "64").num_blocks == 64  # the flag wins
 
 
@@ -136,21 +160,30 @@ def test_help_shows_the_value_in_force(capsys, monkeypatch):
     assert "now 512, from the environment" in help_text(capsys, "serve", "decode")
 
 
-@pytest.mark.parametrize("env,flags,says", [
-    ({"PDSERVE_NUM_BLOCKS": "abc"}, [], "PDSERVE_NUM_BLOCKS"),
-    ({}, ["--dtype", "int8"], "--dtype (PDSERVE_DTYPE) must be one of"),
-    ({"PDSERVE_MAX_DECODE_BATCH": "0"}, [], "--max-decode-batch (PDSERVE_MAX_DECODE_BATCH)"),
-])
+@pytest.mark.parametrize(
+    "env,flags,says",
+    [
+        ({"PDSERVE_NUM_BLOCKS": "abc"}, [], "PDSERVE_NUM_BLOCKS"),
+        ({}, ["--dtype", "int8"], "--dtype (PDSERVE_DTYPE) must be one of"),
+        ({"PDSERVE_MAX_DECODE_BATCH": "0"}, [], "--max-decode-batch (PDSERVE_MAX_DECODE_BATCH)"),
+    ],
+)
 def test_a_bad_value_is_a_clear_error_and_exit_2(env, flags, says):
     environment = {k: v for k, v in os.environ.items() if not k.startswith(cfg.ENV_PREFIX)}
-    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "decode", *flags],
-                          env=environment | env, capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "decode", *flags],
+        env=environment | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr
 
 
 # --- pdserve serve: the model is loaded once and handed to the service ---
+
 
 @pytest.fixture
 def fake_loading(monkeypatch):
@@ -166,8 +199,11 @@ def fake_loading(monkeypatch):
     async def serve(model, settings):
         calls["serve"] = (model, settings)
 
-    monkeypatch.setitem(sys.modules, "pdserve.models.loading",
-                        types.SimpleNamespace(load_served_model=load_served_model))
+    monkeypatch.setitem(
+        sys.modules,
+        "pdserve.models.loading",
+        types.SimpleNamespace(load_served_model=load_served_model),
+    )
     monkeypatch.setitem(sys.modules, "services.router.server", types.SimpleNamespace(serve=serve))
     return calls
 
@@ -187,12 +223,13 @@ def test_a_missing_model_is_a_clear_error_and_exit_2(fake_loading, capsys):
 
 # --- pdserve up ---
 
+
 def test_up_hands_model_and_dtype_to_every_service():
     args = build_parser().parse_args(["up", "--model", "tinygpt", "--dtype", "bfloat16"])
     shared = cfg.as_flags(cfg.CommonSettings, args, SHARED_SETTINGS)
     commands = stack_commands(50051, 50052, 50053, 64, 1, shared=shared)
     for role, command in commands.items():
-        argv = command[command.index("serve"):]  # after `python -m pdserve.cli`
+        argv = command[command.index("serve") :]  # after `python -m pdserve.cli`
         common = cfg.settings_from_args(role, build_parser().parse_args(argv)).common
         assert (common.model, common.dtype) == ("tinygpt", "bfloat16"), role
 
@@ -200,11 +237,16 @@ def test_up_hands_model_and_dtype_to_every_service():
 def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
     args = build_parser().parse_args(["up"])
     assert cfg.as_flags(cfg.CommonSettings, args, SHARED_SETTINGS) == [
-        "--model", "smollm2-135m-instruct", "--dtype", ""]
+        "--model",
+        "smollm2-135m-instruct",
+        "--dtype",
+        "",
+    ]
 
 
 def test_cpu_lists_parse_and_reach_each_service():
     from pdserve.launcher import stack_commands
+
     assert cfg.parse_cpu_list("0-2,5") == {0, 1, 2, 5} and cfg.parse_cpu_list("") == set()
     for bad in ("x", "3-1", "-1"):
         with pytest.raises(ValueError, match="PDSERVE_CPUS"):
@@ -220,7 +262,22 @@ def test_cpu_lists_parse_and_reach_each_service():
 
 
 def test_a_service_pinned_to_a_cpu_it_cannot_use_exits_with_a_message():
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "decode", "--model",
-                             "tinygpt", "--cpus", "4095", "--port", "0"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "decode",
+            "--model",
+            "tinygpt",
+            "--cpus",
+            "4095",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "cannot run there" in result.stderr

@@ -15,8 +15,11 @@ from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-PROMPTS = ["Once upon a time", "The three primary colors are",
-           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+PROMPTS = [
+    "Once upon a time",
+    "The three primary colors are",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+]
 NEW_TOKENS = 20
 TEXTS = PROMPTS + ["Grüße aus Köln 🙂, 日本語, 3.14159 and  42", "<|im_start|>user\nhi<|im_end|>"]
 
@@ -29,6 +32,7 @@ def served():
 @pytest.fixture(scope="module")
 def reference(served):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(served.source, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(served.source)
 
@@ -43,17 +47,18 @@ def test_tokenizer_ids_equal_transformers(served, reference):
 def test_greedy_continuations_equal_transformers_token_for_token(served, reference, tmp_path):
     model, _ = reference
     flags = ("--model", SMOLLM2_NAME, "--dtype", "float32")
-    stack = start_stack(str(tmp_path), decode_flags=flags, prefill_flags=flags,
-                        router_flags=flags)
+    stack = start_stack(str(tmp_path), decode_flags=flags, prefill_flags=flags, router_flags=flags)
     try:
         for prompt in PROMPTS:
             ids = served.tokenizer.encode(prompt)
             with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                                     do_sample=False)
-            expected = out[0, len(ids):].tolist()
-            request = pb.GenerateRequest(prompt=prompt,
-                                         sampling=pb.SamplingParams(max_tokens=NEW_TOKENS))
+                out = model.generate(
+                    torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False
+                )
+            expected = out[0, len(ids) :].tolist()
+            request = pb.GenerateRequest(
+                prompt=prompt, sampling=pb.SamplingParams(max_tokens=NEW_TOKENS)
+            )
             tokens, text, last = generate(stack.router_stub(), request, timeout=120)
             assert tokens == expected, f"{prompt!r}: {text!r}"
             assert last.usage.prompt_tokens == len(ids)
@@ -63,18 +68,24 @@ def test_greedy_continuations_equal_transformers_token_for_token(served, referen
 
 
 def test_a_chat_question_gets_a_sensible_answer_in_bfloat16(tmp_path):
-    colocated = start_service("colocated", "--model", SMOLLM2_NAME, "--torch-threads", "2",
-                              tmp_dir=str(tmp_path))
+    colocated = start_service(
+        "colocated", "--model", SMOLLM2_NAME, "--torch-threads", "2", tmp_dir=str(tmp_path)
+    )
     try:
         with grpc.insecure_channel(colocated.address) as channel:
             stub = pb_grpc.RouterStub(channel)
             info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
-            assert (info.dtype, info.num_layers, info.num_kv_heads, info.head_dim) == \
-                ("bfloat16", 30, 3, 64)
+            assert (info.dtype, info.num_layers, info.num_kv_heads, info.head_dim) == (
+                "bfloat16",
+                30,
+                3,
+                64,
+            )
             assert info.kv_bytes_per_token == 23040
             request = pb.GenerateRequest(
                 messages=[pb.ChatMessage(role="user", content="What is the capital of France?")],
-                sampling=pb.SamplingParams(max_tokens=24))
+                sampling=pb.SamplingParams(max_tokens=24),
+            )
             _, text, last = generate(stub, request, timeout=120)
         assert "Paris" in text
         assert last.finish_reason == pb.FINISH_REASON_EOS  # it ended its turn by itself

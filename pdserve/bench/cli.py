@@ -41,15 +41,33 @@ examples:
 
 # Built-in defaults; a preset replaces some; an explicit flag beats both.
 DEFAULTS = {
-    "arrival": "poisson", "rate": "4", "burstiness": 1.0, "prompt_len": "64-256",
-    "output_len": "16-48", "prompt_kind": "tokens", "dataset": None, "seed": 0,
-    "num_requests": 100, "duration": None, "concurrency": None, "warmup": 0,
-    "slo_ttft": 0.5, "slo_tpot": 0.05,
+    "arrival": "poisson",
+    "rate": "4",
+    "burstiness": 1.0,
+    "prompt_len": "64-256",
+    "output_len": "16-48",
+    "prompt_kind": "tokens",
+    "dataset": None,
+    "seed": 0,
+    "num_requests": 100,
+    "duration": None,
+    "concurrency": None,
+    "warmup": 0,
+    "slo_ttft": 0.5,
+    "slo_tpot": 0.05,
 }
 PRESETS = {
-    "chapter": {"arrival": "poisson", "rate": "16", "burstiness": 1.0, "prompt_len": "64-256",
-                "output_len": "16-48", "prompt_kind": "tokens", "dataset": None, "seed": 7,
-                "num_requests": 100},
+    "chapter": {
+        "arrival": "poisson",
+        "rate": "16",
+        "burstiness": 1.0,
+        "prompt_len": "64-256",
+        "output_len": "16-48",
+        "prompt_kind": "tokens",
+        "dataset": None,
+        "seed": 7,
+        "num_requests": 100,
+    },
 }
 MAX_RATES = 64
 
@@ -105,74 +123,175 @@ def _nonneg_int(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", metavar="HOST:PORT", default=env("ADDRESS", "127.0.0.1:50051"),
-                   help="Router (or colocated engine) host:port (PDSERVE_ADDRESS; default "
-                   "%(default)s)")
+    p.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        default=env("ADDRESS", "127.0.0.1:50051"),
+        help="Router (or colocated engine) host:port (PDSERVE_ADDRESS; default %(default)s)",
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named workload (see below)")
-    p.add_argument("--label", metavar="NAME", default="", help="name of the target in the report, JSON and "
-                   "chart legends (e.g. disaggregated, colocated)")
+    p.add_argument(
+        "--label",
+        metavar="NAME",
+        default="",
+        help="name of the target in the report, JSON and "
+        "chart legends (e.g. disaggregated, colocated)",
+    )
 
     w = p.add_argument_group("workload")
-    w.add_argument("--arrival", choices=["poisson", "gamma"],
-                   help=f"arrival process (default {DEFAULTS['arrival']})")
-    w.add_argument("--rate", metavar="RATE[,RATE|A:B:STEP]", help="requests/s: one rate, 'inf' (all at once), a comma list or "
-                   f"START:STOP:STEP for a sweep (default {DEFAULTS['rate']})")
-    w.add_argument("--burstiness", metavar="B", type=float, help="gamma shape: 1 is Poisson, below 1 "
-                   f"burstier, above 1 smoother (default {DEFAULTS['burstiness']:g})")
-    w.add_argument("--prompt-len", metavar="N|LO-HI", help="prompt tokens: a fixed value or a "
-                   f"uniform range (default {DEFAULTS['prompt_len']})")
-    w.add_argument("--output-len", metavar="N|LO-HI", help="tokens to generate: a fixed value "
-                   f"or a uniform range (default {DEFAULTS['output_len']})")
-    w.add_argument("--prompt-kind", choices=["tokens", "text"],
-                   help="random byte-level token ids 32..126 sent as prompt_token_ids, or the "
-                   f"same bytes as text (default {DEFAULTS['prompt_kind']})")
-    w.add_argument("--dataset", metavar="FILE.jsonl", help="prompts from a JSONL file, one "
-                   "{\"prompt\": ..., \"max_tokens\": ...} per line (max_tokens optional: "
-                   "--output-len otherwise), in a seeded shuffled order")
-    w.add_argument("--seed", metavar="N", type=int, help="the same seed gives the same arrival times, "
-                   f"lengths and prompts (default {DEFAULTS['seed']})")
+    w.add_argument(
+        "--arrival",
+        choices=["poisson", "gamma"],
+        help=f"arrival process (default {DEFAULTS['arrival']})",
+    )
+    w.add_argument(
+        "--rate",
+        metavar="RATE[,RATE|A:B:STEP]",
+        help="requests/s: one rate, 'inf' (all at once), a comma list or "
+        f"START:STOP:STEP for a sweep (default {DEFAULTS['rate']})",
+    )
+    w.add_argument(
+        "--burstiness",
+        metavar="B",
+        type=float,
+        help="gamma shape: 1 is Poisson, below 1 "
+        f"burstier, above 1 smoother (default {DEFAULTS['burstiness']:g})",
+    )
+    w.add_argument(
+        "--prompt-len",
+        metavar="N|LO-HI",
+        help=f"prompt tokens: a fixed value or a uniform range (default {DEFAULTS['prompt_len']})",
+    )
+    w.add_argument(
+        "--output-len",
+        metavar="N|LO-HI",
+        help="tokens to generate: a fixed value "
+        f"or a uniform range (default {DEFAULTS['output_len']})",
+    )
+    w.add_argument(
+        "--prompt-kind",
+        choices=["tokens", "text"],
+        help="random byte-level token ids 32..126 sent as prompt_token_ids, or the "
+        f"same bytes as text (default {DEFAULTS['prompt_kind']})",
+    )
+    w.add_argument(
+        "--dataset",
+        metavar="FILE.jsonl",
+        help="prompts from a JSONL file, one "
+        '{"prompt": ..., "max_tokens": ...} per line (max_tokens optional: '
+        "--output-len otherwise), in a seeded shuffled order",
+    )
+    w.add_argument(
+        "--seed",
+        metavar="N",
+        type=int,
+        help="the same seed gives the same arrival times, "
+        f"lengths and prompts (default {DEFAULTS['seed']})",
+    )
 
     r = p.add_argument_group("run")
-    r.add_argument("--num-requests", "-n", metavar="N", type=_positive_int,
-                   help=f"requests per rate (default {DEFAULTS['num_requests']}, or none when "
-                   "--duration is given)")
-    r.add_argument("--duration", metavar="SECONDS", type=seconds, help="send requests for this long per rate "
-                   "(with --num-requests too, whichever ends first)")
-    r.add_argument("--concurrency", metavar="N", type=_positive_int, help="most requests in flight; a "
-                   "request waits for a slot (default: no cap, open loop)")
-    r.add_argument("--warmup", metavar="N", type=_nonneg_int, help="requests sent one at a time before the "
-                   f"measured run, not counted (default {DEFAULTS['warmup']})")
-    r.add_argument("--timeout", metavar="SECONDS", type=seconds, default=120.0,
-                   help="per-request deadline (default %(default)s s)")
-    r.add_argument("--temperature", metavar="T", type=float, default=0.0, help="0 is greedy "
-                   "(default %(default)s)")
-    r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at end-of-sequence (output lengths no longer exact)")
-    r.add_argument("--sweep-pause", metavar="SECONDS", type=float, default=1.0,
-                   help="seconds between the rates of a sweep (default %(default)s)")
+    r.add_argument(
+        "--num-requests",
+        "-n",
+        metavar="N",
+        type=_positive_int,
+        help=f"requests per rate (default {DEFAULTS['num_requests']}, or none when "
+        "--duration is given)",
+    )
+    r.add_argument(
+        "--duration",
+        metavar="SECONDS",
+        type=seconds,
+        help="send requests for this long per rate (with --num-requests too, whichever ends first)",
+    )
+    r.add_argument(
+        "--concurrency",
+        metavar="N",
+        type=_positive_int,
+        help="most requests in flight; a request waits for a slot (default: no cap, open loop)",
+    )
+    r.add_argument(
+        "--warmup",
+        metavar="N",
+        type=_nonneg_int,
+        help="requests sent one at a time before the "
+        f"measured run, not counted (default {DEFAULTS['warmup']})",
+    )
+    r.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=seconds,
+        default=120.0,
+        help="per-request deadline (default %(default)s s)",
+    )
+    r.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=0.0,
+        help="0 is greedy (default %(default)s)",
+    )
+    r.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at end-of-sequence (output lengths no longer exact)",
+    )
+    r.add_argument(
+        "--sweep-pause",
+        metavar="SECONDS",
+        type=float,
+        default=1.0,
+        help="seconds between the rates of a sweep (default %(default)s)",
+    )
 
     o = p.add_argument_group("objectives (goodput counts requests meeting both)")
-    o.add_argument("--slo-ttft", metavar="TIME", type=seconds, help="TTFT objective, e.g. 0.5 or 500ms "
-                   f"(default {DEFAULTS['slo_ttft'] * 1e3:g}ms)")
-    o.add_argument("--slo-tpot", metavar="TIME", type=seconds, help="TPOT objective, e.g. 0.05 or 50ms "
-                   f"(default {DEFAULTS['slo_tpot'] * 1e3:g}ms)")
+    o.add_argument(
+        "--slo-ttft",
+        metavar="TIME",
+        type=seconds,
+        help=f"TTFT objective, e.g. 0.5 or 500ms (default {DEFAULTS['slo_ttft'] * 1e3:g}ms)",
+    )
+    o.add_argument(
+        "--slo-tpot",
+        metavar="TIME",
+        type=seconds,
+        help=f"TPOT objective, e.g. 0.05 or 50ms (default {DEFAULTS['slo_tpot'] * 1e3:g}ms)",
+    )
 
     out = p.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write every request and the summary with "
-                     "the run's conditions (the model as the target reports it, parameters, "
-                     "CPU, torch, workload, seed, rates, date) here")
-    out.add_argument("--plot", metavar="PATH.png", help="write a PNG chart: latency "
-                     "percentiles against rate for a sweep, latency CDFs for one rate")
-    out.add_argument("--from-json", nargs="+", metavar="PATH", help="run nothing: print the "
-                     "summaries of saved results and, with --plot, chart them together")
+    out.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write every request and the summary with "
+        "the run's conditions (the model as the target reports it, parameters, "
+        "CPU, torch, workload, seed, rates, date) here",
+    )
+    out.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="write a PNG chart: latency "
+        "percentiles against rate for a sweep, latency CDFs for one rate",
+    )
+    out.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="PATH",
+        help="run nothing: print the "
+        "summaries of saved results and, with --plot, chart them together",
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def add_bench(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="load-test a Router endpoint (Poisson/gamma "
-                              "arrivals, rate sweeps, SLO goodput, JSON and charts)",
-                              description=DESCRIPTION, epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="load-test a Router endpoint (Poisson/gamma "
+        "arrivals, rate sweeps, SLO goodput, JSON and charts)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=run_bench)
     return p
@@ -193,22 +312,41 @@ def resolve(args: argparse.Namespace) -> dict:
 def build(args: argparse.Namespace):
     from pdserve.bench.runner import RunOptions
     from pdserve.bench.workload import LengthRange, WorkloadSpec
+
     v = resolve(args)
     rates = parse_rates(str(v["rate"]))
-    spec = WorkloadSpec(arrival=v["arrival"], rate=rates[0], burstiness=v["burstiness"],
-                        prompt_len=LengthRange.parse(v["prompt_len"]),
-                        output_len=LengthRange.parse(v["output_len"]),
-                        prompt_kind=v["prompt_kind"], dataset=v["dataset"], seed=v["seed"])
-    options = RunOptions(args.address, v["num_requests"], v["duration"], v["concurrency"],
-                         args.timeout, args.temperature, args.ignore_eos, v["warmup"])
-    if options.num_requests is None and any(math.isinf(r) for r in rates) \
-            and options.concurrency is None:
+    spec = WorkloadSpec(
+        arrival=v["arrival"],
+        rate=rates[0],
+        burstiness=v["burstiness"],
+        prompt_len=LengthRange.parse(v["prompt_len"]),
+        output_len=LengthRange.parse(v["output_len"]),
+        prompt_kind=v["prompt_kind"],
+        dataset=v["dataset"],
+        seed=v["seed"],
+    )
+    options = RunOptions(
+        args.address,
+        v["num_requests"],
+        v["duration"],
+        v["concurrency"],
+        args.timeout,
+        args.temperature,
+        args.ignore_eos,
+        v["warmup"],
+    )
+    if (
+        options.num_requests is None
+        and any(math.isinf(r) for r in rates)
+        and options.concurrency is None
+    ):
         raise ValueError("--rate inf with --duration and no --num-requests needs --concurrency")
     return spec, rates, options, v
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from pdserve.bench import report
+
     if args.from_json:
         loaded = [(Path(p), report.load_json(p)) for p in args.from_json]
         docs = [(doc["conditions"]["target"].get("label") or p.stem, doc) for p, doc in loaded]
@@ -223,15 +361,27 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
     from pdserve.bench.runner import fetch_model_info, run_sweep
+
     started = dt.datetime.now(dt.timezone.utc)
     info, unavailable = asyncio.run(fetch_model_info(args.address))
     if info is None:
-        print(f"pdserve bench: {unavailable}; the results will record the model as unknown",
-              file=sys.stderr, flush=True)
-    conds = report.conditions(spec, rates, options, model_info=info,
-                              model_unavailable=unavailable, label=args.label,
-                              preset=args.preset, slo_ttft=v["slo_ttft"], slo_tpot=v["slo_tpot"],
-                              started=started)
+        print(
+            f"pdserve bench: {unavailable}; the results will record the model as unknown",
+            file=sys.stderr,
+            flush=True,
+        )
+    conds = report.conditions(
+        spec,
+        rates,
+        options,
+        model_info=info,
+        model_unavailable=unavailable,
+        label=args.label,
+        preset=args.preset,
+        slo_ttft=v["slo_ttft"],
+        slo_tpot=v["slo_tpot"],
+        started=started,
+    )
     done = []
 
     def on_run(run) -> None:
@@ -239,17 +389,28 @@ def run_bench(args: argparse.Namespace) -> int:
         doc = report.document(conds, [run], v["slo_ttft"], v["slo_tpot"])
         print(report.summary_text(conds, doc["runs"][0]), flush=True)
         if args.json:  # rewritten after each rate, so a cut-short sweep keeps what it measured
-            report.write_json(report.document(conds, done, v["slo_ttft"], v["slo_tpot"]),
-                              args.json)
+            report.write_json(report.document(conds, done, v["slo_ttft"], v["slo_tpot"]), args.json)
 
-    print(f"pdserve bench: {spec.describe()}"
-          + (f" (sweep {', '.join(f'{r:g}' for r in rates)})" if len(rates) > 1 else "")
-          + f"; {options.num_requests or 'unbounded'} requests"
-          + (f" or {options.duration:g} s" if options.duration else "")
-          + f" per rate -> {args.address}", file=sys.stderr, flush=True)
+    print(
+        f"pdserve bench: {spec.describe()}"
+        + (f" (sweep {', '.join(f'{r:g}' for r in rates)})" if len(rates) > 1 else "")
+        + f"; {options.num_requests or 'unbounded'} requests"
+        + (f" or {options.duration:g} s" if options.duration else "")
+        + f" per rate -> {args.address}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        asyncio.run(run_sweep(spec, rates, options, args.sweep_pause,
-                              show_progress=not args.no_progress, on_run=on_run))
+        asyncio.run(
+            run_sweep(
+                spec,
+                rates,
+                options,
+                args.sweep_pause,
+                show_progress=not args.no_progress,
+                on_run=on_run,
+            )
+        )
     except ConnectionError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 1

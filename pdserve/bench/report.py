@@ -25,11 +25,16 @@ from pdserve.bench.workload import WorkloadSpec, format_rate
 from pdserve.core.config import ModelConfig
 
 SCHEMA = "pdserve.bench/1"
-METRICS = (("ttft_seconds", "TTFT"), ("tpot_seconds", "TPOT"), ("itl_seconds", "ITL"),
-           ("e2e_seconds", "E2E"))
+METRICS = (
+    ("ttft_seconds", "TTFT"),
+    ("tpot_seconds", "TPOT"),
+    ("itl_seconds", "ITL"),
+    ("e2e_seconds", "E2E"),
+)
 
 
 # ---------------------------------------------------------------------------------- conditions
+
 
 def parameter_count(c: ModelConfig) -> int:
     """TinyGPT's parameters, counted from its shapes (pdserve.models.tinygpt.TinyGPT): token and
@@ -44,14 +49,23 @@ def model_conditions(info: dict | None, unavailable: str = "") -> dict:
     """The model as the target reports it (GetModelInfo), plus a parameter count where the
     client can prove it holds the same model; or, without a report, an explicit unknown."""
     if info is None:
-        return {"name": None, "parameters": None, "reported_by": None,
-                "note": f"model unknown: {unavailable or 'the target was not asked'}"}
+        return {
+            "name": None,
+            "parameters": None,
+            "reported_by": None,
+            "note": f"model unknown: {unavailable or 'the target was not asked'}",
+        }
     parameters, how = local_parameter_count(info)
     return {
-        "name": info["name"], "architecture": info["architecture"], "dtype": info["dtype"],
-        "fingerprint": info["fingerprint"], "kv_bytes_per_token": info["kv_bytes_per_token"],
-        "parameters": parameters, "parameters_note": how,
-        "reported_by": "the target's GetModelInfo", "server": dict(info),
+        "name": info["name"],
+        "architecture": info["architecture"],
+        "dtype": info["dtype"],
+        "fingerprint": info["fingerprint"],
+        "kv_bytes_per_token": info["kv_bytes_per_token"],
+        "parameters": parameters,
+        "parameters_note": how,
+        "reported_by": "the target's GetModelInfo",
+        "server": dict(info),
     }
 
 
@@ -59,6 +73,7 @@ def local_parameter_count(info: dict) -> tuple[int | None, str]:
     """The server does not report a parameter count, so the client counts one only for a model
     it can load itself with the same fingerprint (same shapes, dtype and weights)."""
     from pdserve.models import loading  # torch-free unless weights are built (never here)
+
     if info["architecture"] == "TinyGPT":
         config = ModelConfig(dtype=info["dtype"])
         if loading.fingerprint(config, []) == info["fingerprint"]:
@@ -69,9 +84,12 @@ def local_parameter_count(info: dict) -> tuple[int | None, str]:
     except Exception as exc:  # noqa: BLE001 - a missing local copy only costs the count
         return None, f"not counted: no local copy of {info['name']!r} ({type(exc).__name__})"
     if local.fingerprint != info["fingerprint"]:
-        return None, (f"not counted: the local {info['name']!r} has fingerprint "
-                      f"{local.fingerprint}, the server's is {info['fingerprint']}")
+        return None, (
+            f"not counted: the local {info['name']!r} has fingerprint "
+            f"{local.fingerprint}, the server's is {info['fingerprint']}"
+        )
     from pdserve.models import checkpoint
+
     count = sum(safetensors_elements(f) for f in checkpoint.weight_files(local.source))
     return count, "counted from the local checkpoint's tensor shapes; fingerprint matches"
 
@@ -104,9 +122,13 @@ def cpu_conditions(cpuinfo: str = "/proc/cpuinfo") -> dict:
         load = [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         load = None
-    return {"model": model or platform.processor() or None, "logical_cpus": os.cpu_count(),
-            "usable_cpus": usable, "machine": platform.machine(),
-            "load_average_at_start": load}
+    return {
+        "model": model or platform.processor() or None,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "machine": platform.machine(),
+        "load_average_at_start": load,
+    }
 
 
 def _version(package: str) -> str | None:
@@ -116,11 +138,20 @@ def _version(package: str) -> str | None:
         return None
 
 
-def conditions(spec: WorkloadSpec, rates: list[float], options: RunOptions, *,
-               model_info: dict | None = None, model_unavailable: str = "",
-               label: str = "", preset: str | None = None, slo_ttft: float | None = None,
-               slo_tpot: float | None = None, started: dt.datetime | None = None,
-               argv: list[str] | None = None) -> dict:
+def conditions(
+    spec: WorkloadSpec,
+    rates: list[float],
+    options: RunOptions,
+    *,
+    model_info: dict | None = None,
+    model_unavailable: str = "",
+    label: str = "",
+    preset: str | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    started: dt.datetime | None = None,
+    argv: list[str] | None = None,
+) -> dict:
     """`model_info` is the target's GetModelInfo answer (runner.fetch_model_info); without it,
     `model_unavailable` says why, and the model is recorded as unknown."""
     started = started or dt.datetime.now(dt.timezone.utc)
@@ -128,15 +159,26 @@ def conditions(spec: WorkloadSpec, rates: list[float], options: RunOptions, *,
         "model": model_conditions(model_info, model_unavailable),
         "cpu": cpu_conditions(),
         "host_note": "CPU and versions are the bench client's host; they describe the servers "
-                     "only when the servers run on the same machine",
-        "software": {"torch": _version("torch"), "python": platform.python_version(),
-                     "grpcio": _version("grpcio"), "pdserve": _version("pdserve"),
-                     "os": platform.platform()},
+        "only when the servers run on the same machine",
+        "software": {
+            "torch": _version("torch"),
+            "python": platform.python_version(),
+            "grpcio": _version("grpcio"),
+            "pdserve": _version("pdserve"),
+            "os": platform.platform(),
+        },
         "target": {"address": options.address, "label": label},
-        "workload": {**spec.to_dict(), "preset": preset, "num_requests": options.num_requests,
-                     "duration_seconds": options.duration, "concurrency": options.concurrency,
-                     "warmup_requests": options.warmup, "temperature": options.temperature,
-                     "ignore_eos": options.ignore_eos, "timeout_seconds": options.timeout},
+        "workload": {
+            **spec.to_dict(),
+            "preset": preset,
+            "num_requests": options.num_requests,
+            "duration_seconds": options.duration,
+            "concurrency": options.concurrency,
+            "warmup_requests": options.warmup,
+            "temperature": options.temperature,
+            "ignore_eos": options.ignore_eos,
+            "timeout_seconds": options.timeout,
+        },
         "seed": spec.seed,
         "rates": [None if math.isinf(r) else r for r in rates],
         "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot},
@@ -153,21 +195,28 @@ def _command(argv: list[str]) -> str:
     return " ".join(argv)
 
 
-def document(conds: dict, runs: list[RunResult], slo_ttft: float | None,
-             slo_tpot: float | None) -> dict:
-    return finite({
-        "schema": SCHEMA,
-        "conditions": conds,
-        "runs": [{
-            "rate": None if math.isinf(run.spec.rate) else run.spec.rate,
-            "started_at": dt.datetime.fromtimestamp(run.started_at_unix, dt.timezone.utc)
-            .isoformat(timespec="milliseconds"),
-            "summary": summarize(run.results, run.duration, slo_ttft, slo_tpot),
-            "requests": [r.to_dict() for r in run.results],
-            "load_average_1m": {"before": run.load_before, "after": run.load_after},
-            "notes": run.notes,
-        } for run in runs],
-    })
+def document(
+    conds: dict, runs: list[RunResult], slo_ttft: float | None, slo_tpot: float | None
+) -> dict:
+    return finite(
+        {
+            "schema": SCHEMA,
+            "conditions": conds,
+            "runs": [
+                {
+                    "rate": None if math.isinf(run.spec.rate) else run.spec.rate,
+                    "started_at": dt.datetime.fromtimestamp(
+                        run.started_at_unix, dt.timezone.utc
+                    ).isoformat(timespec="milliseconds"),
+                    "summary": summarize(run.results, run.duration, slo_ttft, slo_tpot),
+                    "requests": [r.to_dict() for r in run.results],
+                    "load_average_1m": {"before": run.load_before, "after": run.load_after},
+                    "notes": run.notes,
+                }
+                for run in runs
+            ],
+        }
+    )
 
 
 def write_json(doc: dict, path: str | Path) -> None:
@@ -206,21 +255,25 @@ def load_json(path: str | Path) -> dict:
 
 # ---------------------------------------------------------------------------------- text
 
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
 def conditions_line(conds: dict) -> str:
     m, cpu, w = conds["model"], conds["cpu"], conds["workload"]
-    arrival = (f"gamma (burstiness {w['burstiness']:g})" if w["arrival"] == "gamma"
-               else w["arrival"])
-    prompts = f"dataset {Path(w['dataset']).name}" if w.get("dataset") else f"prompt {w['prompt_len']}"
+    arrival = f"gamma (burstiness {w['burstiness']:g})" if w["arrival"] == "gamma" else w["arrival"]
+    prompts = (
+        f"dataset {Path(w['dataset']).name}" if w.get("dataset") else f"prompt {w['prompt_len']}"
+    )
     cpus = cpu.get("usable_cpus") or cpu.get("logical_cpus")
     rates = ", ".join("inf" if r is None else f"{r:g}" for r in conds["rates"])
     rates = f"arrival rate{'s' if len(conds['rates']) > 1 else ''} {rates}/s"
-    return (f"Conditions: {_model_words(m)}, {cpus}x {cpu['model']}, "
-            f"torch {conds['software']['torch']}, {arrival}, {prompts}, output {w['output_len']}, "
-            f"seed {conds['seed']}, {rates}, measured {conds['date']}")
+    return (
+        f"Conditions: {_model_words(m)}, {cpus}x {cpu['model']}, "
+        f"torch {conds['software']['torch']}, {arrival}, {prompts}, output {w['output_len']}, "
+        f"seed {conds['seed']}, {rates}, measured {conds['date']}"
+    )
 
 
 def _model_words(m: dict) -> str:
@@ -238,34 +291,47 @@ def summary_text(conds: dict, run: dict) -> str:
     who = f"{target['label']} at {target['address']}" if target.get("label") else target["address"]
     lines = [f"pdserve bench: {who}, rate {rate}"]
     status = ", ".join(f"{n} {k}" for k, n in s["by_status"].items() if k != "OK")
-    lines.append(f"  requests      {s['ok']} ok, {s['failed']} failed"
-                 + (f" ({status})" if status else "")
-                 + f" in {s['duration_seconds']:.2f} s; {_num(s['request_throughput'])} req/s")
-    lines.append(f"  tokens/s      input {_num(s['input_tokens_per_second'], 1)}, "
-                 f"output {_num(s['output_tokens_per_second'], 1)} "
-                 f"({s['input_tokens']} in, {s['output_tokens']} out)")
+    lines.append(
+        f"  requests      {s['ok']} ok, {s['failed']} failed"
+        + (f" ({status})" if status else "")
+        + f" in {s['duration_seconds']:.2f} s; {_num(s['request_throughput'])} req/s"
+    )
+    lines.append(
+        f"  tokens/s      input {_num(s['input_tokens_per_second'], 1)}, "
+        f"output {_num(s['output_tokens_per_second'], 1)} "
+        f"({s['input_tokens']} in, {s['output_tokens']} out)"
+    )
     lines.append("  latency (ms)      mean      p50      p90      p99")
-    for key, name in METRICS + (("server_ttft_seconds", "TTFT@srv"),
-                                ("client_delay_seconds", "send lag")):
+    for key, name in METRICS + (
+        ("server_ttft_seconds", "TTFT@srv"),
+        ("client_delay_seconds", "send lag"),
+    ):
         d = s[key]
-        lines.append(f"    {name:<10}" + "".join(f"{_ms(d[k]):>9}" for k in
-                                                  ("mean", "p50", "p90", "p99")))
+        lines.append(
+            f"    {name:<10}" + "".join(f"{_ms(d[k]):>9}" for k in ("mean", "p50", "p90", "p99"))
+        )
     slo = []
     if s["slo_ttft_seconds"] is not None:
         slo.append(f"TTFT <= {s['slo_ttft_seconds'] * 1e3:g} ms")
     if s["slo_tpot_seconds"] is not None:
         slo.append(f"TPOT <= {s['slo_tpot_seconds'] * 1e3:g} ms")
-    lines.append(f"  goodput       {_num(s['goodput'])} req/s: {s['requests_meeting_slo']} of "
-                 f"{s['requests']} requests met " + (" and ".join(slo) or "no objective"))
+    lines.append(
+        f"  goodput       {_num(s['goodput'])} req/s: {s['requests_meeting_slo']} of "
+        f"{s['requests']} requests met " + (" and ".join(slo) or "no objective")
+    )
     hb, hs, bw = s["handoff_bytes"], s["handoff_seconds"], s["handoff_bytes_per_second"]
     hx = s.get("handoff_exposed_seconds") or {"p50": None, "p90": None, "p99": None}
     if hb["count"] and hb["max"]:
-        lines.append(f"  handoff       {hb['mean'] / 1024:.1f} KiB/request mean "
-                     f"({hb['p50'] / 1024:.1f} p50, {hb['max'] / 1024:.1f} max); "
-                     f"{(bw['p50'] or 0) / 1e6:.1f} MB/s p50 (bytes / latency)")
-        lines.append(f"    latency ms  first chunk -> commit p50 {_ms(hs['p50'])}, "
-                     f"p90 {_ms(hs['p90'])}, p99 {_ms(hs['p99'])}; exposed (after prefill "
-                     f"compute) p50 {_ms(hx['p50'])}, p90 {_ms(hx['p90'])}, p99 {_ms(hx['p99'])}")
+        lines.append(
+            f"  handoff       {hb['mean'] / 1024:.1f} KiB/request mean "
+            f"({hb['p50'] / 1024:.1f} p50, {hb['max'] / 1024:.1f} max); "
+            f"{(bw['p50'] or 0) / 1e6:.1f} MB/s p50 (bytes / latency)"
+        )
+        lines.append(
+            f"    latency ms  first chunk -> commit p50 {_ms(hs['p50'])}, "
+            f"p90 {_ms(hs['p90'])}, p99 {_ms(hs['p99'])}; exposed (after prefill "
+            f"compute) p50 {_ms(hx['p50'])}, p90 {_ms(hx['p90'])}, p99 {_ms(hx['p99'])}"
+        )
         if s.get("retried"):
             lines.append(f"    {s['retried']} requests needed more than one handoff attempt")
     else:
@@ -276,9 +342,11 @@ def summary_text(conds: dict, run: dict) -> str:
 
 
 def sweep_table(conds: dict, runs: list[dict]) -> str:
-    head = (f"{'rate':>8} {'ok':>5} {'fail':>5} {'req/s':>7} {'out tok/s':>10} "
-            f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'E2E p99':>9} "
-            f"{'goodput':>8}")
+    head = (
+        f"{'rate':>8} {'ok':>5} {'fail':>5} {'req/s':>7} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'E2E p99':>9} "
+        f"{'goodput':>8}"
+    )
     lines = ["rate sweep (latencies in ms):", head]
     for run in runs:
         s = run["summary"]
@@ -288,7 +356,8 @@ def sweep_table(conds: dict, runs: list[dict]) -> str:
             f"{_num(s['output_tokens_per_second'], 1):>10} "
             f"{_ms(s['ttft_seconds']['p50']):>9} {_ms(s['ttft_seconds']['p99']):>9} "
             f"{_ms(s['tpot_seconds']['p50']):>9} {_ms(s['tpot_seconds']['p99']):>9} "
-            f"{_ms(s['e2e_seconds']['p99']):>9} {_num(s['goodput']):>8}")
+            f"{_ms(s['e2e_seconds']['p99']):>9} {_num(s['goodput']):>8}"
+        )
     return "\n".join(lines)
 
 
@@ -306,10 +375,13 @@ def _num(x, digits: int = 2) -> str:
 
 # ---------------------------------------------------------------------------------- charts
 
+
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -323,10 +395,14 @@ def plot(docs: list[tuple[str, dict]], path: str | Path) -> Path:
 
 def _caption(docs: list[tuple[str, dict]]) -> str:
     import textwrap
+
     line = conditions_line(docs[0][1]["conditions"])
     if len(docs) > 1:  # each run's own date
-        line = line.rsplit(", measured ", 1)[0] + ", measured " + "; ".join(
-            f"{name} {doc['conditions']['date']}" for name, doc in docs)
+        line = (
+            line.rsplit(", measured ", 1)[0]
+            + ", measured "
+            + "; ".join(f"{name} {doc['conditions']['date']}" for name, doc in docs)
+        )
     return textwrap.fill(line, 150)
 
 
@@ -347,13 +423,28 @@ def plot_sweep(docs: list[tuple[str, dict]], path: str | Path) -> Path:
             ax.set_xlabel("arrival rate (req/s)")
             ax.set_ylabel("ms")
         ax = axes.flat[4]
-        ax.plot(rates, [r["summary"]["request_throughput"] for r in runs], "-o", color=color,
-                label=f"{name} throughput")
-        ax.plot(rates, [r["summary"]["goodput"] for r in runs], "--s", color=color,
-                label=f"{name} goodput")
+        ax.plot(
+            rates,
+            [r["summary"]["request_throughput"] for r in runs],
+            "-o",
+            color=color,
+            label=f"{name} throughput",
+        )
+        ax.plot(
+            rates,
+            [r["summary"]["goodput"] for r in runs],
+            "--s",
+            color=color,
+            label=f"{name} goodput",
+        )
         ax = axes.flat[5]
-        ax.plot(rates, [r["summary"]["output_tokens_per_second"] for r in runs], "-o",
-                color=color, label=f"{name}")
+        ax.plot(
+            rates,
+            [r["summary"]["output_tokens_per_second"] for r in runs],
+            "-o",
+            color=color,
+            label=f"{name}",
+        )
     axes.flat[4].set_title("requests/s: completed and within SLO")
     axes.flat[4].set_xlabel("arrival rate (req/s)")
     axes.flat[5].set_title("output tokens/s")
@@ -384,8 +475,12 @@ def plot_cdfs(docs: list[tuple[str, dict]], path: str | Path) -> Path:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             p = run["summary"][key]
-            ax.step(xs, ys, where="post",
-                    label=f"{name} @ {rate}: p50 {_ms(p['p50'])}, p99 {_ms(p['p99'])} ms")
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                label=f"{name} @ {rate}: p50 {_ms(p['p50'])}, p99 {_ms(p['p99'])} ms",
+            )
             ax.set_title(f"{title} CDF")
             ax.set_xlabel("ms")
             ax.set_ylabel("fraction of " + ("tokens" if key == "itl_seconds" else "requests"))

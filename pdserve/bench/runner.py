@@ -27,8 +27,12 @@ from pdserve.bench.workload import BenchRequest, WorkloadSpec, iter_requests
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-FINISH_NAMES = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
+FINISH_NAMES = {
+    pb.FINISH_REASON_UNSPECIFIED: "",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_EOS: "eos",
+}
 CONNECT_TIMEOUT_SECONDS = 10.0
 MAX_ERROR_LENGTH = 300
 
@@ -77,8 +81,14 @@ class Progress:
 
     WIDTH = 30
 
-    def __init__(self, label: str, total: int | None, duration: float | None,
-                 stream: TextIO | None = sys.stderr, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        label: str,
+        total: int | None,
+        duration: float | None,
+        stream: TextIO | None = sys.stderr,
+        enabled: bool = True,
+    ) -> None:
         self.label, self.total, self.duration = label, total, duration
         self.stream = stream if enabled else None
         self.tty = bool(self.stream is not None and getattr(self.stream, "isatty", lambda: False)())
@@ -109,8 +119,10 @@ class Progress:
         count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
         failed = self.done - self.ok
         elapsed = time.perf_counter() - self.started
-        return (f"{self.label} [{bar}] {count} done, {failed} failed, "
-                f"{self.sent - self.done} in flight, {elapsed:.1f} s")
+        return (
+            f"{self.label} [{bar}] {count} done, {failed} failed, "
+            f"{self.sent - self.done} in flight, {elapsed:.1f} s"
+        )
 
     def _draw(self, force: bool = False) -> None:
         if self.stream is None:
@@ -139,11 +151,16 @@ class Progress:
 
 def to_pb(request: BenchRequest, request_id: str, options: RunOptions) -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        request_id=request_id, prompt=request.prompt,
+        request_id=request_id,
+        prompt=request.prompt,
         prompt_token_ids=list(request.prompt_token_ids),
-        sampling=pb.SamplingParams(max_tokens=request.max_tokens,
-                                   temperature=options.temperature, seed=request.index,
-                                   ignore_eos=options.ignore_eos))
+        sampling=pb.SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=options.temperature,
+            seed=request.index,
+            ignore_eos=options.ignore_eos,
+        ),
+    )
 
 
 def _server_view(last: pb.GenerateResponse) -> dict:
@@ -164,12 +181,22 @@ def _server_view(last: pb.GenerateResponse) -> dict:
     }
 
 
-async def send_one(stub: pb_grpc.RouterStub, request: BenchRequest, request_id: str,
-                   options: RunOptions, t0: float, scheduled: float) -> RequestResult:
+async def send_one(
+    stub: pb_grpc.RouterStub,
+    request: BenchRequest,
+    request_id: str,
+    options: RunOptions,
+    t0: float,
+    scheduled: float,
+) -> RequestResult:
     """Sends one request and records its timing; never raises for a failed call."""
-    result = RequestResult(index=request.index, request_id=request_id,
-                           prompt_tokens=request.prompt_len, max_tokens=request.max_tokens,
-                           scheduled=scheduled)
+    result = RequestResult(
+        index=request.index,
+        request_id=request_id,
+        prompt_tokens=request.prompt_len,
+        max_tokens=request.max_tokens,
+        scheduled=scheduled,
+    )
     sent = time.perf_counter()
     result.sent = sent - t0
     first = last = None
@@ -206,8 +233,9 @@ async def send_one(stub: pb_grpc.RouterStub, request: BenchRequest, request_id: 
     return result
 
 
-async def fetch_model_info(address: str, timeout: float = CONNECT_TIMEOUT_SECONDS
-                           ) -> tuple[dict | None, str]:
+async def fetch_model_info(
+    address: str, timeout: float = CONNECT_TIMEOUT_SECONDS
+) -> tuple[dict | None, str]:
     """What the target says it serves (GetModelInfo, every field), or None and why not.
 
     Asked once before a run so the results record the server's model rather than an assumed one;
@@ -217,12 +245,14 @@ async def fetch_model_info(address: str, timeout: float = CONNECT_TIMEOUT_SECOND
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             info = await pb_grpc.RouterStub(channel).GetModelInfo(
-                pb.ModelInfoRequest(), timeout=timeout, wait_for_ready=True)
+                pb.ModelInfoRequest(), timeout=timeout, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None, f"the target at {address} does not implement GetModelInfo"
-            return None, (f"GetModelInfo at {address} failed: {exc.code().name} "
-                          f"{exc.details() or ''}".strip())
+            return None, (
+                f"GetModelInfo at {address} failed: {exc.code().name} {exc.details() or ''}".strip()
+            )
     return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}, ""
 
 
@@ -230,16 +260,20 @@ async def _connect(channel: grpc.aio.Channel, address: str) -> None:
     try:
         await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_SECONDS)
     except asyncio.TimeoutError:
-        raise ConnectionError(f"could not connect to {address} within "
-                              f"{CONNECT_TIMEOUT_SECONDS:.0f} s") from None
+        raise ConnectionError(
+            f"could not connect to {address} within {CONNECT_TIMEOUT_SECONDS:.0f} s"
+        ) from None
 
 
-async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
-                   progress_stream: TextIO | None = sys.stderr,
-                   show_progress: bool = True) -> RunResult:
+async def run_rate(
+    spec: WorkloadSpec,
+    options: RunOptions,
+    label: str = "",
+    progress_stream: TextIO | None = sys.stderr,
+    show_progress: bool = True,
+) -> RunResult:
     """Runs the workload at spec.rate: one open-loop pass over its requests."""
-    if (options.num_requests is None and math.isinf(spec.rate)
-            and options.concurrency is None):
+    if options.num_requests is None and math.isinf(spec.rate) and options.concurrency is None:
         raise ValueError("an infinite rate for a duration needs a concurrency cap")
     tag = f"bench-s{spec.seed}-r{spec.rate:g}"
     async with grpc.aio.insecure_channel(options.address) as channel:
@@ -247,13 +281,18 @@ async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
         stub = pb_grpc.RouterStub(channel)
         notes = []
         for request in list(_take(spec, options.warmup, None)):
-            warm = await send_one(stub, request, f"{tag}-warmup-{request.index}", options,
-                                  time.perf_counter(), 0.0)
+            warm = await send_one(
+                stub, request, f"{tag}-warmup-{request.index}", options, time.perf_counter(), 0.0
+            )
             if not warm.ok:
-                notes.append(f"warm-up request {request.index} failed: {warm.status} "
-                             f"{warm.error}")
-        progress = Progress(label or f"rate {spec.rate:g}", options.num_requests,
-                            options.duration, progress_stream, show_progress)
+                notes.append(f"warm-up request {request.index} failed: {warm.status} {warm.error}")
+        progress = Progress(
+            label or f"rate {spec.rate:g}",
+            options.num_requests,
+            options.duration,
+            progress_stream,
+            show_progress,
+        )
         slots = asyncio.Semaphore(options.concurrency) if options.concurrency else None
         load_before = _load()
         started_unix = time.time()
@@ -261,8 +300,9 @@ async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
 
         async def one(request: BenchRequest) -> RequestResult:
             try:
-                r = await send_one(stub, request, f"{tag}-{request.index}", options, t0,
-                                   request.arrival)
+                r = await send_one(
+                    stub, request, f"{tag}-{request.index}", options, t0, request.arrival
+                )
             finally:
                 if slots is not None:
                     slots.release()
@@ -294,8 +334,9 @@ async def run_rate(spec: WorkloadSpec, options: RunOptions, label: str = "",
         finally:
             progress.close()
         duration = time.perf_counter() - t0
-    return RunResult(spec, results, duration, started_unix, options.warmup, notes, load_before,
-                     _load())
+    return RunResult(
+        spec, results, duration, started_unix, options.warmup, notes, load_before, _load()
+    )
 
 
 def _load() -> float | None:
@@ -314,18 +355,34 @@ def _take(spec: WorkloadSpec, count: int | None, duration: float | None):
         yield request
 
 
-async def run_sweep(spec: WorkloadSpec, rates: list[float], options: RunOptions,
-                    pause: float = 1.0, show_progress: bool = True,
-                    on_run: Callable[[RunResult], None] | None = None) -> list[RunResult]:
+async def run_sweep(
+    spec: WorkloadSpec,
+    rates: list[float],
+    options: RunOptions,
+    pause: float = 1.0,
+    show_progress: bool = True,
+    on_run: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
     """Runs the same workload (same seed, so the same requests) at each rate in turn; the warm-up
     requests go before the first rate only."""
     runs = []
     for i, rate in enumerate(rates):
         if i:
             await asyncio.sleep(pause)
-        opts = options if i == 0 else RunOptions(
-            options.address, options.num_requests, options.duration, options.concurrency,
-            options.timeout, options.temperature, options.ignore_eos, warmup=0)
+        opts = (
+            options
+            if i == 0
+            else RunOptions(
+                options.address,
+                options.num_requests,
+                options.duration,
+                options.concurrency,
+                options.timeout,
+                options.temperature,
+                options.ignore_eos,
+                warmup=0,
+            )
+        )
         label = f"rate {rate:g} ({i + 1}/{len(rates)})" if len(rates) > 1 else f"rate {rate:g}"
         run = await run_rate(spec.with_rate(rate), opts, label, show_progress=show_progress)
         runs.append(run)

@@ -89,16 +89,24 @@ def meets_slo(r: RequestResult, slo_ttft: float | None, slo_tpot: float | None) 
     return slo_tpot is None or tpot is None or tpot <= slo_tpot
 
 
-def goodput(results: Sequence[RequestResult], duration: float, slo_ttft: float | None,
-            slo_tpot: float | None) -> float:
+def goodput(
+    results: Sequence[RequestResult],
+    duration: float,
+    slo_ttft: float | None,
+    slo_tpot: float | None,
+) -> float:
     """Requests per second that succeeded within both objectives."""
     if duration <= 0:
         return math.nan
     return sum(meets_slo(r, slo_ttft, slo_tpot) for r in results) / duration
 
 
-def summarize(results: Sequence[RequestResult], duration: float, slo_ttft: float | None = None,
-              slo_tpot: float | None = None) -> dict:
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+) -> dict:
     """The run's figures: counts by status, throughput, goodput and latency distributions.
 
     Latencies and token counts cover the successful requests only; `duration` is the wall time
@@ -112,8 +120,11 @@ def summarize(results: Sequence[RequestResult], duration: float, slo_ttft: float
     output_tokens = sum(r.output_tokens for r in ok)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
     good = sum(meets_slo(r, slo_ttft, slo_tpot) for r in ok)
-    handoff_bw = [r.server["handoff_bytes"] / r.server["handoff_seconds"] for r in ok
-                  if r.server.get("handoff_seconds", 0) > 0]
+    handoff_bw = [
+        r.server["handoff_bytes"] / r.server["handoff_seconds"]
+        for r in ok
+        if r.server.get("handoff_seconds", 0) > 0
+    ]
     return {
         "requests": len(results),
         "ok": len(ok),
@@ -139,10 +150,12 @@ def summarize(results: Sequence[RequestResult], duration: float, slo_ttft: float
         "queue_seconds": describe(r.server.get("queue_seconds") for r in ok),
         "prefill_seconds": describe(r.server.get("prefill_seconds") for r in ok),
         "handoff_bytes": describe(r.server.get("handoff_bytes") for r in ok),
-        "handoff_seconds": describe(r.server.get("handoff_seconds") for r in ok
-                                    if r.server.get("handoff_bytes")),
-        "handoff_exposed_seconds": describe(r.server.get("handoff_exposed_seconds") for r in ok
-                                            if r.server.get("handoff_bytes")),
+        "handoff_seconds": describe(
+            r.server.get("handoff_seconds") for r in ok if r.server.get("handoff_bytes")
+        ),
+        "handoff_exposed_seconds": describe(
+            r.server.get("handoff_exposed_seconds") for r in ok if r.server.get("handoff_bytes")
+        ),
         "handoff_bytes_per_second": describe(handoff_bw),
         "retried": sum(r.server.get("attempts", 1) > 1 for r in ok),
     }

@@ -88,16 +88,28 @@ class WorkloadSpec:
             raise ValueError(f"prompt kind {self.prompt_kind!r} is not one of {PROMPT_KINDS}")
 
     def with_rate(self, rate: float) -> "WorkloadSpec":
-        return WorkloadSpec(self.arrival, rate, self.burstiness, self.prompt_len,
-                            self.output_len, self.prompt_kind, self.dataset, self.seed)
+        return WorkloadSpec(
+            self.arrival,
+            rate,
+            self.burstiness,
+            self.prompt_len,
+            self.output_len,
+            self.prompt_kind,
+            self.dataset,
+            self.seed,
+        )
 
     def describe(self) -> str:
-        arrival = ("gamma (burstiness %g)" % self.burstiness if self.arrival == "gamma"
-                   else self.arrival)
-        prompts = (f"dataset {Path(self.dataset).name}" if self.dataset
-                   else f"prompt {self.prompt_len}")
-        return (f"{arrival}, {prompts}, output {self.output_len}, seed {self.seed}, "
-                f"rate {format_rate(self.rate)}")
+        arrival = (
+            "gamma (burstiness %g)" % self.burstiness if self.arrival == "gamma" else self.arrival
+        )
+        prompts = (
+            f"dataset {Path(self.dataset).name}" if self.dataset else f"prompt {self.prompt_len}"
+        )
+        return (
+            f"{arrival}, {prompts}, output {self.output_len}, seed {self.seed}, "
+            f"rate {format_rate(self.rate)}"
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -119,8 +131,11 @@ class BenchRequest:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_token_ids) if self.prompt_token_ids else len(
-            self.prompt.encode("utf-8"))
+        return (
+            len(self.prompt_token_ids)
+            if self.prompt_token_ids
+            else len(self.prompt.encode("utf-8"))
+        )
 
 
 def format_rate(rate: float) -> str:
@@ -149,9 +164,12 @@ def load_dataset(path: str | Path) -> list[DatasetEntry]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) \
-                    or not obj["prompt"]:
-                raise ValueError(f"{path}:{lineno}: need an object with a non-empty \"prompt\"")
+            if (
+                not isinstance(obj, dict)
+                or not isinstance(obj.get("prompt"), str)
+                or not obj["prompt"]
+            ):
+                raise ValueError(f'{path}:{lineno}: need an object with a non-empty "prompt"')
             max_tokens = obj.get("max_tokens")
             if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
                 raise ValueError(f"{path}:{lineno}: max_tokens must be an integer >= 1")
@@ -193,8 +211,9 @@ def iter_requests(spec: WorkloadSpec) -> Iterator[BenchRequest]:
             yield BenchRequest(index, t, max_tokens, prompt_token_ids=ids)
 
 
-def generate(spec: WorkloadSpec, num_requests: int | None = None,
-             duration: float | None = None) -> list[BenchRequest]:
+def generate(
+    spec: WorkloadSpec, num_requests: int | None = None, duration: float | None = None
+) -> list[BenchRequest]:
     """The first `num_requests` requests, or those arriving before `duration` seconds, or both."""
     if num_requests is None and (duration is None or math.isinf(spec.rate)):
         raise ValueError("give a number of requests, or a duration with a finite rate")

@@ -40,13 +40,15 @@ class BlockPool:
         """A table with room for `tokens` tokens, or PoolExhausted."""
         need = self.blocks_for(tokens)
         if need > self.num_blocks:
-            raise NeverFits(f"needs {need} KV blocks ({tokens} tokens); the whole pool has "
-                            f"{self.num_blocks}")
+            raise NeverFits(
+                f"needs {need} KV blocks ({tokens} tokens); the whole pool has {self.num_blocks}"
+            )
         with self._lock:
             if need > len(self._free) - self._promised:
                 raise PoolExhausted(
                     f"need {need} KV blocks, {len(self._free) - self._promised} of "
-                    f"{self.num_blocks} free")
+                    f"{self.num_blocks} free"
+                )
             self._promised += need
         return BlockTable(self, need)
 

@@ -44,8 +44,9 @@ class ModelConfig:
         if not self.head_size and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"{self.n_heads} query heads cannot share {self.kv_heads} KV heads "
-                             f"evenly")
+            raise ValueError(
+                f"{self.n_heads} query heads cannot share {self.kv_heads} KV heads evenly"
+            )
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_context"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -26,15 +26,17 @@ class DecodeStepStats:
 
 
 class DecodeScheduler:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, cache: PagedCache, max_batch: int
-                 ) -> None:
+    def __init__(
+        self, model: CausalLM, tokenizer: Tokenizer, cache: PagedCache, max_batch: int
+    ) -> None:
         self.model, self.tokenizer, self.cache, self.max_batch = model, tokenizer, cache, max_batch
         self.running: list[Sequence] = []
         self._joining: deque[Sequence] = deque()
         self._lock = threading.Lock()
 
-    def start(self, spec: GenerateSpec, table: BlockTable, sink: Sink, first_token: int
-              ) -> Sequence:
+    def start(
+        self, spec: GenerateSpec, table: BlockTable, sink: Sink, first_token: int
+    ) -> Sequence:
         """A sequence whose prompt KV is in `table`, beginning with prefill's first token; it
         joins at the next step, unless that token already ended it (then its blocks go back)."""
         seq = Sequence(spec, table, sink, self.tokenizer)
@@ -64,8 +66,9 @@ class DecodeScheduler:
             return None
         start = time.perf_counter()
         view = self.cache.step_view([s.table for s in batch], [s.cached_tokens for s in batch])
-        logits = self.model.decode_paged([s.tokens[-1] for s in batch],
-                                         [s.cached_tokens for s in batch], view)
+        logits = self.model.decode_paged(
+            [s.tokens[-1] for s in batch], [s.cached_tokens for s in batch], view
+        )
         self.postprocess(batch, logits)
         return DecodeStepStats(len(batch), time.perf_counter() - start)
 

@@ -8,8 +8,13 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, name: str, step: Callable[[], object], has_work: Callable[[], bool],
-                 on_crash: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], object],
+        has_work: Callable[[], bool],
+        on_crash: Callable[[str], None],
+    ) -> None:
         self._step, self._has_work, self._on_crash = step, has_work, on_crash
         self._wakeup = threading.Condition()
         self._stopping = False

@@ -33,7 +33,7 @@ class OutputText:
 
     def _take(self, end: int) -> str:
         end = max(end, self._sent)
-        piece = self._text[self._sent:end]
+        piece = self._text[self._sent : end]
         self._sent = end
         return piece
 

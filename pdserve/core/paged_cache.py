@@ -42,8 +42,9 @@ class PagedCache:
         self.kv[layer, 0].index_copy_(1, index, k.transpose(0, 1))
         self.kv[layer, 1].index_copy_(1, index, v.transpose(0, 1))
 
-    def step_view(self, tables: list[BlockTable], lengths: list[int],
-                  chunks: list["PromptChunk"] = ()) -> "DecodeStepKv":
+    def step_view(
+        self, tables: list[BlockTable], lengths: list[int], chunks: list["PromptChunk"] = ()
+    ) -> "DecodeStepKv":
         """The cache as one decode step sees it: each sequence's `lengths[i]` tokens, one new;
         then, for chunked prefill, prompt chunks whose rows follow the decode rows."""
         return DecodeStepKv(self, tables, lengths, list(chunks))
@@ -61,38 +62,55 @@ class DecodeStepKv:
     every short stream beside it. Slot indices are built with tensor ops, once per step.
     """
 
-    def __init__(self, cache: PagedCache, tables: list[BlockTable], lengths: list[int],
-                 chunks: list["PromptChunk"] = ()) -> None:
+    def __init__(
+        self,
+        cache: PagedCache,
+        tables: list[BlockTable],
+        lengths: list[int],
+        chunks: list["PromptChunk"] = (),
+    ) -> None:
         self._cache = cache
         block_size = cache.block_size
         self._decodes = len(lengths)
-        new = [t.blocks[n // block_size] * block_size + n % block_size
-               for t, n in zip(tables, lengths, strict=True)]
+        new = [
+            t.blocks[n // block_size] * block_size + n % block_size
+            for t, n in zip(tables, lengths, strict=True)
+        ]
         self._chunks = [_ChunkView(c, block_size) for c in chunks]
-        self._new = torch.tensor(new + [s for c in chunks for s in c.table.slots(c.start, c.end)],
-                                 dtype=torch.long)
-        self.buckets = [_Bucket(members, [tables[i] for i in members],
-                                [lengths[i] + 1 for i in members], block_size)
-                        for members in buckets_by_length(lengths)]
+        self._new = torch.tensor(
+            new + [s for c in chunks for s in c.table.slots(c.start, c.end)], dtype=torch.long
+        )
+        self.buckets = [
+            _Bucket(
+                members, [tables[i] for i in members], [lengths[i] + 1 for i in members], block_size
+            )
+            for members in buckets_by_length(lengths)
+        ]
         if self.buckets:
             self._order = torch.tensor([i for b in self.buckets for i in b.members]).argsort()
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
         keys.index_copy_(1, self._new, k.transpose(0, 1))
         values.index_copy_(1, self._new, v.transpose(0, 1))
         outs = []
         if self.buckets:
-            decode_out = [attention.padded_decode(q[b.index], b.gather(keys, self._cache, "k"),
-                                                  b.gather(values, self._cache, "v"), b.mask)
-                          for b in self.buckets]
+            decode_out = [
+                attention.padded_decode(
+                    q[b.index],
+                    b.gather(keys, self._cache, "k"),
+                    b.gather(values, self._cache, "v"),
+                    b.mask,
+                )
+                for b in self.buckets
+            ]
             outs.append(torch.cat(decode_out)[self._order])
         row = self._decodes
         for chunk in self._chunks:
             rows = slice(row, row + chunk.tokens)
-            outs.append(attention.causal(q[rows], chunk.gather(keys), chunk.gather(values),
-                                         chunk.start))
+            outs.append(
+                attention.causal(q[rows], chunk.gather(keys), chunk.gather(values), chunk.start)
+            )
             row += chunk.tokens
         return torch.cat(outs)
 
@@ -119,15 +137,16 @@ class _ChunkView:
         """[kv_heads, slots, dim] -> this prompt's [0, end) as [tokens, kv_heads, dim]."""
         heads, slots, dim = layer_kv.shape
         by_block = layer_kv.view(heads, slots // self._block_size, self._block_size, dim)
-        picked = by_block.index_select(1, self._blocks).flatten(1, 2)[:, :self._end]
+        picked = by_block.index_select(1, self._blocks).flatten(1, 2)[:, : self._end]
         return picked.transpose(0, 1)
 
 
 class _Bucket:
     """Sequences attended together: their blocks padded to the bucket's longest, and the mask."""
 
-    def __init__(self, members: list[int], tables: list[BlockTable], spans: list[int],
-                 block_size: int) -> None:
+    def __init__(
+        self, members: list[int], tables: list[BlockTable], spans: list[int], block_size: int
+    ) -> None:
         self.members = members
         self.index = torch.tensor(members, dtype=torch.long)
         self.block_size = block_size
@@ -152,16 +171,18 @@ class _Bucket:
         return picked.view(heads, self.blocks.shape[0], -1, dim)
 
 
-def buckets_by_length(lengths: list[int], slack: float = 0.25, min_pad: int = 64
-                      ) -> list[list[int]]:
+def buckets_by_length(
+    lengths: list[int], slack: float = 0.25, min_pad: int = 64
+) -> list[list[int]]:
     """Indices grouped so that padding each group to its longest wastes at most `slack` of the
     longest, or `min_pad` tokens, per sequence: longest first, a new group when the next one is
     shorter than that."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and lengths[groups[-1][0]] - lengths[i] <= max(slack * lengths[groups[-1][0]],
-                                                                 min_pad):
+        if groups and lengths[groups[-1][0]] - lengths[i] <= max(
+            slack * lengths[groups[-1][0]], min_pad
+        ):
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -78,8 +78,9 @@ class PrefillScheduler:
             return None
         start = time.perf_counter()
         try:
-            logits = self.model.prefill_packed([list(j.spec.prompt_token_ids) for j in batch],
-                                               self._fan_out(batch))
+            logits = self.model.prefill_packed(
+                [list(j.spec.prompt_token_ids) for j in batch], self._fan_out(batch)
+            )
             first = sample(logits, [j.spec.sampling for j in batch], [0] * len(batch))
         except Exception as exc:  # the batch fails, the engine keeps serving
             for job in batch:
@@ -88,8 +89,12 @@ class PrefillScheduler:
         finished = time.perf_counter()
         tokens = sum(j.spec.prompt_len for j in batch)
         for job, token in zip(batch, first, strict=True):
-            job.on_done(token, PrefillTiming(start - job.enqueued_at, finished - start,
-                                             len(batch), tokens, finished))
+            job.on_done(
+                token,
+                PrefillTiming(
+                    start - job.enqueued_at, finished - start, len(batch), tokens, finished
+                ),
+            )
         return PrefillTiming(0.0, finished - start, len(batch), tokens, finished)
 
     def schedule(self) -> list[PrefillJob]:

@@ -50,8 +50,9 @@ def one_prompt(prompt: str, prompt_token_ids: list[int], messages: list) -> None
     if given > 1:
         raise InvalidRequest("give one of prompt, prompt_token_ids or messages, not several")
     if not given:
-        raise InvalidRequest("the prompt is empty: give prompt (text), prompt_token_ids or "
-                             "messages (a chat)")
+        raise InvalidRequest(
+            "the prompt is empty: give prompt (text), prompt_token_ids or messages (a chat)"
+        )
 
 
 def validate(spec: GenerateSpec, config: ModelConfig) -> GenerateSpec:
@@ -62,7 +63,8 @@ def validate(spec: GenerateSpec, config: ModelConfig) -> GenerateSpec:
     if spec.max_total_tokens > config.max_context:
         raise InvalidRequest(
             f"prompt ({spec.prompt_len} tokens) plus max_tokens ({spec.sampling.max_tokens}) is "
-            f"{spec.max_total_tokens}, over the context length of {config.max_context}")
+            f"{spec.max_total_tokens}, over the context length of {config.max_context}"
+        )
     return spec
 
 
@@ -78,7 +80,8 @@ def _check_tokens(token_ids: tuple[int, ...], config: ModelConfig) -> None:
     if bad:
         raise InvalidRequest(
             f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size}) "
-            f"({len(bad)} such id(s))")
+            f"({len(bad)} such id(s))"
+        )
 
 
 def _check_sampling(s: SamplingSpec) -> None:

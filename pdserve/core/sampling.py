@@ -23,8 +23,10 @@ def uniform(seed: int, step: int) -> float:
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]) -> list[int]:
     """One token per row of `logits` [batch, vocab]; row i follows specs[i] at step steps[i]."""
     greedy = logits.argmax(dim=-1).tolist()
-    return [greedy[i] if spec.greedy else _sample_row(logits[i], spec, steps[i])
-            for i, spec in enumerate(specs)]
+    return [
+        greedy[i] if spec.greedy else _sample_row(logits[i], spec, steps[i])
+        for i, spec in enumerate(specs)
+    ]
 
 
 def _sample_row(logits: torch.Tensor, spec: SamplingSpec, step: int) -> int:
@@ -39,5 +41,7 @@ def _sample_row(logits: torch.Tensor, spec: SamplingSpec, step: int) -> int:
     probs = probs[:keep]
     cdf = torch.cumsum(probs, dim=0)
     target = uniform(spec.seed, step) * float(cdf[-1])
-    index = min(int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)), keep - 1)
+    index = min(
+        int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)), keep - 1
+    )
     return int(order[index])

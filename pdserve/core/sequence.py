@@ -48,8 +48,9 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_token_ids)
-        self._text = OutputText(self.tokenizer.detokenizer(self.spec.prompt_token_ids),
-                                self.spec.sampling.stop)
+        self._text = OutputText(
+            self.tokenizer.detokenizer(self.spec.prompt_token_ids), self.spec.sampling.stop
+        )
 
     @property
     def done(self) -> bool:

@@ -16,15 +16,18 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> to
     # A leading batch dimension: 3-D inputs take the slow unfused path on CPU (measured 2.3x).
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if offset == 0 and tq == tk:  # a whole prompt: the fused causal kernel, no T x T mask
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                              enable_gqa=gqa)[0].transpose(0, 1)
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)[
+            0
+        ].transpose(0, 1)
     allowed = torch.arange(tk)[None, :] <= torch.arange(offset, offset + tq)[:, None]
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed,
-                                          enable_gqa=gqa)[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa)[
+        0
+    ].transpose(0, 1)
 
 
-def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  lengths: list[int]) -> torch.Tensor:
+def packed_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
     """Causal attention within each prompt of a packed batch."""
     out, start = [], 0
     for n in lengths:
@@ -34,8 +37,9 @@ def packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(out)
 
 
-def padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
+def padded_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """One new token per sequence: q [batch, heads, dim]; k/v [kv_heads, batch, ctx, dim], as
     gathered from a head-major cache; mask [batch, ctx] (True where a position is the sequence's
     own) -> [batch, heads, dim].
@@ -51,9 +55,12 @@ def padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k, v = k.float(), v.float()  # no copy when the caller gathered them as float32
     # [batch, heads, dim] -> [kv_heads * batch, group, dim], matching K's merged batch order.
     grouped = q.float().view(batch, kv_heads, group, dim).transpose(0, 1).reshape(-1, group, dim)
-    scores = torch.bmm(grouped, k.view(-1, ctx, dim).transpose(1, 2)) * dim ** -0.5
+    scores = torch.bmm(grouped, k.view(-1, ctx, dim).transpose(1, 2)) * dim**-0.5
     scores = scores.view(kv_heads, batch, group, ctx)
     weights = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
-    out = torch.bmm(weights.view(-1, group, ctx), v.view(-1, ctx, dim))  # [kv_heads*batch, group, dim]
-    return out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim) \
-        .to(q.dtype)
+    out = torch.bmm(
+        weights.view(-1, group, ctx), v.view(-1, ctx, dim)
+    )  # [kv_heads*batch, group, dim]
+    return (
+        out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)
+    )

@@ -42,24 +42,33 @@ def model_config(directory: Path, dtype: str = "") -> ModelConfig:
     fields = _Fields(path, raw)
     arch = (raw.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{path}: architectures is {raw.get('architectures')!r}; pdserve "
-                              f"serves {', '.join(ARCHITECTURES)}")
+        raise CheckpointError(
+            f"{path}: architectures is {raw.get('architectures')!r}; pdserve "
+            f"serves {', '.join(ARCHITECTURES)}"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {raw['hidden_act']!r}; only silu is supported")
     heads = fields.int("num_attention_heads")
     rope_theta, rope_scaling = _rope(fields, raw)
     return ModelConfig(
-        architecture=arch, vocab_size=fields.int("vocab_size"), d_model=fields.int("hidden_size"),
-        n_layers=fields.int("num_hidden_layers"), n_heads=heads,
+        architecture=arch,
+        vocab_size=fields.int("vocab_size"),
+        d_model=fields.int("hidden_size"),
+        n_layers=fields.int("num_hidden_layers"),
+        n_heads=heads,
         n_kv_heads=fields.int("num_key_value_heads", heads),
-        head_size=fields.int("head_dim", 0), d_ff=fields.int("intermediate_size"),
-        max_context=_context(fields, raw), dtype=dtype or _dtype(path, raw),
-        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        head_size=fields.int("head_dim", 0),
+        d_ff=fields.int("intermediate_size"),
+        max_context=_context(fields, raw),
+        dtype=dtype or _dtype(path, raw),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
         output_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)))
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+    )
 
 
 class _Fields:
@@ -82,12 +91,14 @@ class _Fields:
 
 def _rope(fields: _Fields, raw: dict) -> tuple[float, tuple]:
     from pdserve.models.rope_types import SUPPORTED_TYPES
+
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in SUPPORTED_TYPES:
-        raise CheckpointError(f"{fields.path}: rope type {kind!r} is not supported "
-                              f"({', '.join(SUPPORTED_TYPES)} are)")
+        raise CheckpointError(
+            f"{fields.path}: rope type {kind!r} is not supported ({', '.join(SUPPORTED_TYPES)} are)"
+        )
     params["rope_type"] = kind
     params.pop("type", None)
     if kind == "default":
@@ -100,9 +111,14 @@ def _context(fields: _Fields, raw: dict) -> int:
     window = raw.get("sliding_window")
     uses_window = raw.get("use_sliding_window", True)  # Qwen2 says so; Mistral has only the size
     if window and uses_window and window < context:
-        log.warning("%s: sliding_window %d is smaller than max_position_embeddings %d; pdserve "
-                    "attends over the whole context, so sequences are capped at %d tokens",
-                    fields.path, window, context, window)
+        log.warning(
+            "%s: sliding_window %d is smaller than max_position_embeddings %d; pdserve "
+            "attends over the whole context, so sequences are capped at %d tokens",
+            fields.path,
+            window,
+            context,
+            window,
+        )
         return int(window)
     return context
 
@@ -123,8 +139,9 @@ def eos_token_ids(directory: Path) -> frozenset[int]:
             value = read_json(path).get("eos_token_id")
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
     if not ids:
-        log.warning("%s names no eos_token_id: replies end only at max_tokens or a stop string",
-                    directory)
+        log.warning(
+            "%s names no eos_token_id: replies end only at max_tokens or a stop string", directory
+        )
     return frozenset(int(i) for i in ids)
 
 
@@ -153,13 +170,16 @@ def special_tokens(directory: Path) -> dict[str, str]:
 def tokenizer(directory: Path, config: ModelConfig) -> HfTokenizer:
     path = directory / "tokenizer.json"
     if not path.exists():
-        raise CheckpointError(f"{path}: file not found (pdserve needs the tokenizer.json of "
-                              f"the `tokenizers` library)")
-    tok = HfTokenizer(path, eos_token_ids(directory), chat_template(directory),
-                      special_tokens(directory))
+        raise CheckpointError(
+            f"{path}: file not found (pdserve needs the tokenizer.json of the `tokenizers` library)"
+        )
+    tok = HfTokenizer(
+        path, eos_token_ids(directory), chat_template(directory), special_tokens(directory)
+    )
     if tok.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{path}: {tok.vocab_size} tokens, but config.json's vocab_size "
-                              f"is {config.vocab_size}")
+        raise CheckpointError(
+            f"{path}: {tok.vocab_size} tokens, but config.json's vocab_size is {config.vocab_size}"
+        )
     return tok
 
 
@@ -182,6 +202,7 @@ def weight_files(directory: Path) -> list[Path]:
 def load_weights(directory: Path, expected: dict) -> dict:
     """Every tensor the model expects, checked by name and shape; `expected` maps name -> shape."""
     from safetensors import SafetensorError, safe_open
+
     tensors, where = {}, {}
     for path in weight_files(directory):
         try:
@@ -200,16 +221,25 @@ def load_weights(directory: Path, expected: dict) -> dict:
 def _check_tensors(directory: Path, tensors: dict, expected: dict, where: dict) -> None:
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing from the "
-                              f"safetensors files ({len(missing)} missing); config.json "
-                              f"implies it")
+        raise CheckpointError(
+            f"{directory}: tensor {missing[0]!r} is missing from the "
+            f"safetensors files ({len(missing)} missing); config.json "
+            f"implies it"
+        )
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != tuple(shape):
-            raise CheckpointError(f"{where[name]}: tensor {name!r} has shape "
-                                  f"{list(tensors[name].shape)}, config.json implies "
-                                  f"{list(shape)}")
-    unused = sorted(n for n in where if n not in expected and not n.endswith(DERIVED_SUFFIXES)
-                    and n != "lm_head.weight")
+            raise CheckpointError(
+                f"{where[name]}: tensor {name!r} has shape "
+                f"{list(tensors[name].shape)}, config.json implies "
+                f"{list(shape)}"
+            )
+    unused = sorted(
+        n
+        for n in where
+        if n not in expected and not n.endswith(DERIVED_SUFFIXES) and n != "lm_head.weight"
+    )
     if unused:
-        raise CheckpointError(f"{where[unused[0]]}: tensor {unused[0]!r} is not part of the "
-                              f"model config.json describes ({len(unused)} such tensors)")
+        raise CheckpointError(
+            f"{where[unused[0]]}: tensor {unused[0]!r} is not part of the "
+            f"model config.json describes ({len(unused)} such tensors)"
+        )

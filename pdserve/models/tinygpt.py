@@ -72,4 +72,3 @@ class TinyGPT(DecoderOnly):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
-

@@ -55,8 +55,9 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
         raise InvalidRequest(f"at most {MAX_CHAT_MESSAGES} chat messages, got {len(messages)}")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"message {i} has role {m.role!r}; expected one of "
-                                 f"{', '.join(CHAT_ROLES)}")
+            raise InvalidRequest(
+                f"message {i} has role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
 
 
 class ByteTokenizer:
@@ -91,14 +92,21 @@ class _ByteDetokenizer:
 
 
 class HfTokenizer:
-    def __init__(self, tokenizer_file: Path, eos_token_ids: frozenset[int],
-                 chat_template: str | None, special_tokens: dict[str, str]) -> None:
+    def __init__(
+        self,
+        tokenizer_file: Path,
+        eos_token_ids: frozenset[int],
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+    ) -> None:
         from tokenizers import Tokenizer as _Tokenizer
+
         try:
             self._tok = _Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the library's errors name no file
-            raise ValueError(f"{tokenizer_file}: not a tokenizer this version of `tokenizers` "
-                             f"reads: {exc}") from None
+            raise ValueError(
+                f"{tokenizer_file}: not a tokenizer this version of `tokenizers` reads: {exc}"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = eos_token_ids
         self._template = _compile_template(chat_template) if chat_template else None
@@ -118,7 +126,9 @@ class HfTokenizer:
         try:
             text = self._template.render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True, **self._special_tokens)
+                add_generation_prompt=True,
+                **self._special_tokens,
+            )
         except Exception as exc:  # a template may raise on input it does not accept
             raise InvalidRequest(f"the chat template refused these messages: {exc}") from None
         # The template writes every special token itself, so the tokenizer must add none.
@@ -146,18 +156,18 @@ class _IncrementalDetokenizer:
 
     def feed(self, token_id: int) -> str:
         self._ids.append(token_id)
-        sent = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
+        sent = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
         if len(text) <= len(sent) or text.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
-        return text[len(sent):]
+        return text[len(sent) :]
 
     def flush(self) -> str:
-        sent = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
+        sent = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return text[len(sent):]
+        return text[len(sent) :]
 
 
 def _compile_template(source: str):
@@ -170,6 +180,7 @@ def _compile_template(source: str):
     # trim_blocks/lstrip_blocks: how Hugging Face renders chat templates, which are written for it.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
-                                                                  ensure_ascii=False)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, indent=indent, ensure_ascii=False
+    )
     return env.from_string(source)

@@ -17,14 +17,26 @@ FINISH_TO_PB = {
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingSpec:
     return SamplingSpec(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
-        top_k=s.top_k, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def sampling_to_pb(s: SamplingSpec) -> pb.SamplingParams:
     return pb.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos)
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=list(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def spec_from_generate(request: pb.GenerateRequest, tokenizer: Tokenizer) -> GenerateSpec:
@@ -40,8 +52,9 @@ def spec_from_generate(request: pb.GenerateRequest, tokenizer: Tokenizer) -> Gen
         tokens = tokenizer.encode(request.prompt)
     else:
         tokens = list(request.prompt_token_ids)
-    return GenerateSpec(request.request_id or uuid.uuid4().hex, tuple(tokens),
-                        sampling_from_pb(request.sampling))
+    return GenerateSpec(
+        request.request_id or uuid.uuid4().hex, tuple(tokens), sampling_from_pb(request.sampling)
+    )
 
 
 def spec_from_internal(request_id: str, token_ids, sampling: pb.SamplingParams) -> GenerateSpec:
@@ -50,7 +63,15 @@ def spec_from_internal(request_id: str, token_ids, sampling: pb.SamplingParams) 
 
 def model_info_to_pb(served: ServedModel) -> pb.ModelInfo:
     c = served.config
-    return pb.ModelInfo(name=served.name, architecture=c.architecture, dtype=c.dtype,
-                        fingerprint=served.fingerprint, vocab_size=c.vocab_size,
-                        max_context=c.max_context, num_layers=c.n_layers, num_kv_heads=c.kv_heads,
-                        head_dim=c.head_dim, kv_bytes_per_token=c.kv_bytes_per_token)
+    return pb.ModelInfo(
+        name=served.name,
+        architecture=c.architecture,
+        dtype=c.dtype,
+        fingerprint=served.fingerprint,
+        vocab_size=c.vocab_size,
+        max_context=c.max_context,
+        num_layers=c.n_layers,
+        num_kv_heads=c.kv_heads,
+        head_dim=c.head_dim,
+        kv_bytes_per_token=c.kv_bytes_per_token,
+    )

@@ -47,8 +47,9 @@ class Admission:
 
     async def refuse_if_draining(self, context) -> None:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "this instance is draining and takes no new requests")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "this instance is draining and takes no new requests"
+            )
 
     async def drain(self, grace: float) -> bool:
         """Stops admitting and waits up to `grace` seconds for what is in flight; True if idle."""
@@ -73,15 +74,20 @@ class Server:
 
     def __init__(self, host: str, port: int) -> None:
         self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS)
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = (
+            health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.port = self.grpc.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         result = self.health.set("", status)
         if asyncio.iscoroutine(result):
             await result
@@ -97,18 +103,25 @@ def emission_queue() -> tuple[asyncio.Queue, Callable[[object], None]]:
 def admitted(handler):
     """A server-streaming handler of a servicer with an `admission`: refused while draining,
     counted as in flight while it runs."""
+
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         await self.admission.refuse_if_draining(context)
         with self.admission.track():
             async for message in handler(self, request, context):
                 yield message
+
     return wrapper
 
 
-async def run_until_signalled(server: Server, name: str, grace: float, admission: Admission,
-                              on_stop: Callable[[], Awaitable[None]] | None = None,
-                              serving_at_start: bool = True) -> None:
+async def run_until_signalled(
+    server: Server,
+    name: str,
+    grace: float,
+    admission: Admission,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    serving_at_start: bool = True,
+) -> None:
     """Serves until SIGTERM or SIGINT, then stops admitting and lets in-flight calls finish."""
     await server.grpc.start()
     if serving_at_start:
@@ -119,12 +132,20 @@ async def run_until_signalled(server: Server, name: str, grace: float, admission
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("%s draining: %d request(s) in flight, waiting up to %.1f s", name,
-             admission.in_flight, grace)
+    log.info(
+        "%s draining: %d request(s) in flight, waiting up to %.1f s",
+        name,
+        admission.in_flight,
+        grace,
+    )
     await server.set_serving(False)
     if not await admission.drain(grace):
-        log.warning("%s: %d request(s) still in flight after %.1f s; cancelling them", name,
-                    admission.in_flight, grace)
+        log.warning(
+            "%s: %d request(s) still in flight after %.1f s; cancelling them",
+            name,
+            admission.in_flight,
+            grace,
+        )
     await server.grpc.stop(1.0)
     if on_stop is not None:
         await on_stop()

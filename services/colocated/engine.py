@@ -92,8 +92,8 @@ class ColocatedEngine:
             for chunk in chunks:
                 self._failed(chunk.handle, f"prefill failed: {exc}")
             raise
-        self.decode.postprocess(batch, logits[:len(batch)])
-        self._first_tokens([c for c in chunks if c.completes], logits[len(batch):], start)
+        self.decode.postprocess(batch, logits[: len(batch)])
+        self._first_tokens([c for c in chunks if c.completes], logits[len(batch) :], start)
         metrics.DECODE_BATCH.labels("colocated").observe(len(batch))
         metrics.STEP_SECONDS.labels("colocated", "mixed").observe(time.perf_counter() - start)
 
@@ -105,13 +105,15 @@ class ColocatedEngine:
         rows = list(range(len(batch)))
         for chunk in chunks:
             chunk.handle.table.ensure(chunk.end)
-            tokens += chunk.handle.spec.prompt_token_ids[chunk.start:chunk.end]
+            tokens += chunk.handle.spec.prompt_token_ids[chunk.start : chunk.end]
             positions += range(chunk.start, chunk.end)
             if chunk.completes:
                 rows.append(len(tokens) - 1)
         view = self.cache.step_view(
-            [s.table for s in batch], [s.cached_tokens for s in batch],
-            [PromptChunk(c.handle.table, c.start, c.end) for c in chunks])
+            [s.table for s in batch],
+            [s.cached_tokens for s in batch],
+            [PromptChunk(c.handle.table, c.start, c.end) for c in chunks],
+        )
         return self.model.decode_paged(tokens, positions, view, rows)
 
     def _claim(self, chunk: Chunk) -> bool:
@@ -133,8 +135,13 @@ class ColocatedEngine:
         finished = time.perf_counter()
         for chunk, token in zip(completed, firsts, strict=True):
             h = chunk.handle
-            timing = PrefillTiming(h.first_chunk_at - h.enqueued_at, finished - h.first_chunk_at,
-                                   len(completed), h.spec.prompt_len, finished)
+            timing = PrefillTiming(
+                h.first_chunk_at - h.enqueued_at,
+                finished - h.first_chunk_at,
+                len(completed),
+                h.spec.prompt_len,
+                finished,
+            )
             metrics.TOKENS.labels("colocated", "prompt").inc(h.spec.prompt_len)
             self._prefilled(h, token, timing)
 
@@ -145,9 +152,11 @@ class ColocatedEngine:
             self.chunks.add(handle, spec.prompt_len)
         else:
             handle.job = PrefillJob(
-                spec, lambda layer, k, v: self._store(handle, layer, k, v),
+                spec,
+                lambda layer, k, v: self._store(handle, layer, k, v),
                 on_done=lambda token, timing: self._prefilled(handle, token, timing),
-                on_error=lambda msg: self._failed(handle, msg))
+                on_error=lambda msg: self._failed(handle, msg),
+            )
             self.prefill.add(handle.job)
         self.loop.wake()
         return handle

@@ -13,8 +13,14 @@ from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import Emission
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert
-from pdserve.rpc.server import (Admission, Server, admitted, emission_queue, instance_name,
-                                run_until_signalled)
+from pdserve.rpc.server import (
+    Admission,
+    Server,
+    admitted,
+    emission_queue,
+    instance_name,
+    run_until_signalled,
+)
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -37,8 +43,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
         try:
-            spec = validate(convert.spec_from_generate(request, self.served.tokenizer),
-                            self.config)
+            spec = validate(convert.spec_from_generate(request, self.served.tokenizer), self.config)
         except InvalidRequest as exc:
             metrics.record_request("colocated", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -52,8 +57,9 @@ class ColocatedServicer(pb_grpc.RouterServicer):
                     metrics.record_request("colocated", "INTERNAL")
                     await context.abort(grpc.StatusCode.INTERNAL, emission.error)
                 first_token_at = first_token_at or time.perf_counter()
-                response = pb.GenerateResponse(request_id=spec.request_id,
-                                               token_ids=emission.token_ids, text=emission.text)
+                response = pb.GenerateResponse(
+                    request_id=spec.request_id, token_ids=emission.token_ids, text=emission.text
+                )
                 if emission.finish_reason is not None:
                     self._finish(response, emission, handle, received, first_token_at)
                     yield response
@@ -71,8 +77,9 @@ class ColocatedServicer(pb_grpc.RouterServicer):
                 return self.engine.submit(spec, sink)
             except NeverFits as exc:
                 metrics.record_request("colocated", "RESOURCE_EXHAUSTED")
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"request larger than the KV pool: {exc}")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"request larger than the KV pool: {exc}"
+                )
             except PoolExhausted as exc:
                 if time.monotonic() + backoff > give_up:
                     metrics.record_request("colocated", "RESOURCE_EXHAUSTED")
@@ -83,35 +90,62 @@ class ColocatedServicer(pb_grpc.RouterServicer):
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return convert.model_info_to_pb(self.served)
 
-    def _finish(self, response: pb.GenerateResponse, emission: Emission, handle: Handle,
-                received: float, first_token_at: float) -> None:
+    def _finish(
+        self,
+        response: pb.GenerateResponse,
+        emission: Emission,
+        handle: Handle,
+        received: float,
+        first_token_at: float,
+    ) -> None:
         seq, timing = handle.sequence, handle.timing
         now = time.perf_counter()
-        metrics.record_request("colocated", "OK", first_token_at - received, now - received,
-                               seq.generated if seq else 0, handle.spec.prompt_len)
+        metrics.record_request(
+            "colocated",
+            "OK",
+            first_token_at - received,
+            now - received,
+            seq.generated if seq else 0,
+            handle.spec.prompt_len,
+        )
         response.finish_reason = convert.FINISH_TO_PB[emission.finish_reason]
-        response.usage.CopyFrom(pb.Usage(prompt_tokens=handle.spec.prompt_len,
-                                         completion_tokens=seq.generated if seq else 0))
-        response.metrics.CopyFrom(pb.RequestMetrics(
-            time_to_first_token_seconds=first_token_at - received,
-            end_to_end_seconds=now - received,
-            prefill_seconds=timing.prefill_seconds if timing else 0.0,
-            queue_seconds=timing.queue_seconds if timing else 0.0,
-            prefill_instance=self.instance, decode_instance=self.instance, attempts=1))
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=handle.spec.prompt_len, completion_tokens=seq.generated if seq else 0
+            )
+        )
+        response.metrics.CopyFrom(
+            pb.RequestMetrics(
+                time_to_first_token_seconds=first_token_at - received,
+                end_to_end_seconds=now - received,
+                prefill_seconds=timing.prefill_seconds if timing else 0.0,
+                queue_seconds=timing.queue_seconds if timing else 0.0,
+                prefill_instance=self.instance,
+                decode_instance=self.instance,
+                attempts=1,
+            )
+        )
 
 
 async def serve(served: ServedModel, settings: ColocatedSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    instance = settings.common.instance or instance_name("colocated", settings.common.host, server.port)
+    instance = settings.common.instance or instance_name(
+        "colocated", settings.common.host, server.port
+    )
     servicer = ColocatedServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
-    metrics.watch_pool("colocated", lambda: servicer.engine.pool.available_blocks,
-                       settings.decode.num_blocks, lambda: servicer.engine.decode.size)
+    metrics.watch_pool(
+        "colocated",
+        lambda: servicer.engine.pool.available_blocks,
+        settings.decode.num_blocks,
+        lambda: servicer.engine.decode.size,
+    )
     pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
     servicer.engine.loop.start()
 
     async def on_stop() -> None:
         servicer.engine.loop.stop()
 
-    await run_until_signalled(server, instance, settings.common.grace_seconds, servicer.admission,
-                              on_stop)
+    await run_until_signalled(
+        server, instance, settings.common.grace_seconds, servicer.admission, on_stop
+    )

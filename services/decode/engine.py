@@ -21,12 +21,14 @@ class DecodeEngine:
         self.config = served.config
         self.pool = BlockPool(settings.num_blocks, settings.block_size)
         self.cache = PagedCache(self.config, settings.num_blocks, settings.block_size)
-        self.scheduler = DecodeScheduler(served.model, served.tokenizer, self.cache,
-                                         settings.max_batch)
+        self.scheduler = DecodeScheduler(
+            served.model, served.tokenizer, self.cache, settings.max_batch
+        )
         self.faults = settings.common.faults
         self.steps = 0
-        self.loop = EngineLoop("decode-engine", self._step,
-                               lambda: self.scheduler.has_work, self.scheduler.fail_all)
+        self.loop = EngineLoop(
+            "decode-engine", self._step, lambda: self.scheduler.has_work, self.scheduler.fail_all
+        )
 
     def _step(self) -> None:
         stats = self.scheduler.step()

@@ -62,8 +62,14 @@ class LeaseTable:
     def grant(self, spec: GenerateSpec, ttl: float, sink: Sink) -> Lease:
         """Reserves room for the whole request; raises PoolExhausted when there is none."""
         table = self.pool.reserve(spec.max_total_tokens)
-        lease = Lease(secrets.token_hex(16), spec, table, sink, time.monotonic() + ttl,
-                      KvAssembly(self.config, spec.prompt_len))
+        lease = Lease(
+            secrets.token_hex(16),
+            spec,
+            table,
+            sink,
+            time.monotonic() + ttl,
+            KvAssembly(self.config, spec.prompt_len),
+        )
         self._leases[lease.lease_id] = lease
         return lease
 
@@ -99,13 +105,15 @@ class LeaseTable:
     def expire(self) -> int:
         """Voids every uncommitted lease past its expiry; returns how many."""
         now = time.monotonic()
-        late = [lease for lease in self._leases.values()
-                if lease.state is not LeaseState.COMMITTED and now > lease.expires_at]
+        late = [
+            lease
+            for lease in self._leases.values()
+            if lease.state is not LeaseState.COMMITTED and now > lease.expires_at
+        ]
         for lease in late:
             self.void(lease, "lease expired before its KV was committed")
         return len(late)
 
     @property
     def pending(self) -> int:
-        return sum(1 for lease in self._leases.values()
-                   if lease.state is not LeaseState.COMMITTED)
+        return sum(1 for lease in self._leases.values() if lease.state is not LeaseState.COMMITTED)

@@ -15,8 +15,14 @@ from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_d
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
 from pdserve.rpc import convert
-from pdserve.rpc.server import (Admission, Server, admitted, emission_queue, instance_name,
-                                run_until_signalled)
+from pdserve.rpc.server import (
+    Admission,
+    Server,
+    admitted,
+    emission_queue,
+    instance_name,
+    run_until_signalled,
+)
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -25,8 +31,11 @@ from services.decode.leases import Lease, LeaseRejected, LeaseState, LeaseTable
 
 log = logging.getLogger(__name__)
 
-DTYPE_FROM_PB = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16",
-                 pb.DTYPE_BFLOAT16: "bfloat16"}
+DTYPE_FROM_PB = {
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_FLOAT16: "float16",
+    pb.DTYPE_BFLOAT16: "bfloat16",
+}
 EXPIRY_CHECK_SECONDS = 0.1
 
 
@@ -43,8 +52,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Generate(self, request: pb.DecodeRequest, context):
         try:
             check_same_model(self.served, request.model_fingerprint, "the lease request")
-            spec = validate(convert.spec_from_internal(
-                request.request_id, request.prompt_token_ids, request.sampling), self.config)
+            spec = validate(
+                convert.spec_from_internal(
+                    request.request_id, request.prompt_token_ids, request.sampling
+                ),
+                self.config,
+            )
         except ModelMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except InvalidRequest as exc:
@@ -57,16 +70,27 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             lease = self.leases.grant(spec, ttl, sink)
         except NeverFits as exc:
             metrics.REQUESTS.labels("decode", "error", "OUT_OF_RANGE").inc()
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"request larger than the pool: {exc}")
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE, f"request larger than the pool: {exc}"
+            )
         except PoolExhausted as exc:
             metrics.REQUESTS.labels("decode", "error", "RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full: {exc}")
-        log.debug("lease %s granted for request %s (%d blocks)", lease.lease_id, spec.request_id,
-                  lease.table.capacity_blocks)
+        log.debug(
+            "lease %s granted for request %s (%d blocks)",
+            lease.lease_id,
+            spec.request_id,
+            lease.table.capacity_blocks,
+        )
         try:
-            yield pb.DecodeEvent(lease=pb.LeaseGranted(
-                lease_id=lease.lease_id, blocks=lease.table.capacity_blocks, instance=self.instance,
-                expires_at_unix=time.time() + ttl))
+            yield pb.DecodeEvent(
+                lease=pb.LeaseGranted(
+                    lease_id=lease.lease_id,
+                    blocks=lease.table.capacity_blocks,
+                    instance=self.instance,
+                    expires_at_unix=time.time() + ttl,
+                )
+            )
             async for event in self._events(lease, events, context):
                 yield event
         finally:
@@ -84,12 +108,18 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             else:
                 seq = lease.sequence
                 metrics.REQUESTS.labels("decode", "ok", "OK").inc()
-                yield pb.DecodeEvent(finished=pb.DecodeFinished(last=tokens,
-                    finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
-                    usage=pb.Usage(prompt_tokens=lease.spec.prompt_len,
-                                   completion_tokens=seq.generated if seq else 0),
-                    handoff_receive_seconds=lease.handoff_seconds,
-                    handoff_bytes=lease.assembly.bytes))
+                yield pb.DecodeEvent(
+                    finished=pb.DecodeFinished(
+                        last=tokens,
+                        finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
+                        usage=pb.Usage(
+                            prompt_tokens=lease.spec.prompt_len,
+                            completion_tokens=seq.generated if seq else 0,
+                        ),
+                        handoff_receive_seconds=lease.handoff_seconds,
+                        handoff_bytes=lease.assembly.bytes,
+                    )
+                )
                 return
 
     def _end(self, lease: Lease) -> None:
@@ -115,8 +145,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         except KvRejected as exc:
             if lease is not None:
                 self.leases.void(lease, f"KV transfer rejected: {exc}")
-            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(exc, LeaseRejected) \
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if isinstance(exc, LeaseRejected)
                 else grpc.StatusCode.INVALID_ARGUMENT
+            )
             await context.abort(code, str(exc))
         except BaseException:
             if lease is not None:  # the stream broke or was cancelled before its commit
@@ -134,15 +167,24 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def _accept_chunk(self, chunk: pb.KvChunk, lease: Lease) -> None:
         payload = chunk.data  # read once: every access copies
-        header = ChunkHeader(chunk.index, chunk.layer, chunk.token_start, chunk.token_end,
-                             DTYPE_FROM_PB.get(chunk.dtype, "unspecified"), tuple(chunk.shape),
-                             chunk.crc32, chunk.model_fingerprint)
+        header = ChunkHeader(
+            chunk.index,
+            chunk.layer,
+            chunk.token_start,
+            chunk.token_end,
+            DTYPE_FROM_PB.get(chunk.dtype, "unspecified"),
+            tuple(chunk.shape),
+            chunk.crc32,
+            chunk.model_fingerprint,
+        )
         lease.assembly.check(header)
-        k, v = decode_chunk(header, payload, self.config, lease.spec.prompt_len,
-                            self.served.fingerprint)
+        k, v = decode_chunk(
+            header, payload, self.config, lease.spec.prompt_len, self.served.fingerprint
+        )
         lease.table.ensure(header.token_end)
-        self.engine.cache.write(header.layer, lease.table.slots(header.token_start,
-                                                                header.token_end), k, v)
+        self.engine.cache.write(
+            header.layer, lease.table.slots(header.token_start, header.token_end), k, v
+        )
         lease.assembly.accepted(header, len(payload))
         self.chunks_received += 1
         self.settings.common.faults.after_chunk_received(self.chunks_received)
@@ -150,21 +192,28 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             lease.state, lease.first_chunk_at = LeaseState.RECEIVING, time.perf_counter()
 
     def _commit(self, commit: pb.KvCommit, current: Lease | None) -> pb.PushKvReply:
-        key = (commit.first_token_id, commit.num_chunks, commit.digest, commit.request_id,
-               commit.prompt_digest)
+        key = (
+            commit.first_token_id,
+            commit.num_chunks,
+            commit.digest,
+            commit.request_id,
+            commit.prompt_digest,
+        )
         done = self.leases.committed(commit.lease_id)
         if done is not None:
             if current is not None and current is not done:
                 raise LeaseRejected("one KV stream carries one lease")
             if done.commit_key != key:
                 raise LeaseRejected(f"lease {commit.lease_id!r} was committed with other contents")
-            return pb.PushKvReply(lease_id=done.lease_id, bytes=done.assembly.bytes,
-                                  newly_committed=False)
+            return pb.PushKvReply(
+                lease_id=done.lease_id, bytes=done.assembly.bytes, newly_committed=False
+            )
         lease = self.leases.for_push(commit.lease_id)
         if current is not lease and (current is not None or lease.state is LeaseState.RECEIVING):
             raise LeaseRejected("a commit must come on the stream that carried the lease's KV")
-        if commit.request_id != lease.spec.request_id or \
-                commit.prompt_digest != prompt_digest(lease.spec.prompt_token_ids):
+        if commit.request_id != lease.spec.request_id or commit.prompt_digest != prompt_digest(
+            lease.spec.prompt_token_ids
+        ):
             raise LeaseRejected(f"lease {lease.lease_id!r} belongs to another request or prompt")
         lease.assembly.check_commit(commit.num_chunks, commit.digest)
         if not 0 <= commit.first_token_id < self.config.vocab_size:
@@ -173,15 +222,19 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         lease.committed_at = time.perf_counter()
         metrics.record_handoff("decode", lease.handoff_seconds, lease.assembly.bytes)
         lease.sequence = self.engine.start_sequence(lease, commit.first_token_id)
-        return pb.PushKvReply(lease_id=lease.lease_id, bytes=lease.assembly.bytes,
-                              newly_committed=True)
+        return pb.PushKvReply(
+            lease_id=lease.lease_id, bytes=lease.assembly.bytes, newly_committed=True
+        )
 
     async def GetPoolStats(self, request, context) -> pb.PoolStats:
-        return pb.PoolStats(total_blocks=self.engine.pool.num_blocks,
-                            free_blocks=self.engine.pool.available_blocks,
-                            block_size=self.engine.pool.block_size,
-                            running=self.engine.scheduler.size,
-                            pending_leases=self.leases.pending, instance=self.instance)
+        return pb.PoolStats(
+            total_blocks=self.engine.pool.num_blocks,
+            free_blocks=self.engine.pool.available_blocks,
+            block_size=self.engine.pool.block_size,
+            running=self.engine.scheduler.size,
+            pending_leases=self.leases.pending,
+            instance=self.instance,
+        )
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return convert.model_info_to_pb(self.served)
@@ -196,11 +249,17 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
 async def serve(served: ServedModel, settings: DecodeSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    instance = settings.common.instance or instance_name("decode", settings.common.host, server.port)
+    instance = settings.common.instance or instance_name(
+        "decode", settings.common.host, server.port
+    )
     servicer = DecodeServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
-    metrics.watch_pool("decode", lambda: servicer.engine.pool.available_blocks,
-                       settings.num_blocks, lambda: servicer.engine.scheduler.size)
+    metrics.watch_pool(
+        "decode",
+        lambda: servicer.engine.pool.available_blocks,
+        settings.num_blocks,
+        lambda: servicer.engine.scheduler.size,
+    )
     pb_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
     servicer.engine.start()
     expiry = asyncio.create_task(servicer.expire_leases_forever())
@@ -209,5 +268,6 @@ async def serve(served: ServedModel, settings: DecodeSettings) -> None:
         expiry.cancel()
         servicer.engine.stop()
 
-    await run_until_signalled(server, instance, settings.common.grace_seconds, servicer.admission,
-                              on_stop)
+    await run_until_signalled(
+        server, instance, settings.common.grace_seconds, servicer.admission, on_stop
+    )

@@ -16,13 +16,23 @@ from pdserve.faults import Faults
 from pdserve.models.loading import ServedModel
 from pdserve.v1 import pdserve_pb2 as pb
 
-DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
-               "bfloat16": pb.DTYPE_BFLOAT16}
+DTYPE_TO_PB = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+}
 
 
 class KvSender:
-    def __init__(self, loop: asyncio.AbstractEventLoop, lease_id: str, spec: GenerateSpec,
-                 served: ServedModel, chunk_bytes: int, faults: Faults) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        lease_id: str,
+        spec: GenerateSpec,
+        served: ServedModel,
+        chunk_bytes: int,
+        faults: Faults,
+    ) -> None:
         self._loop, self.lease_id, self._spec = loop, lease_id, spec
         self._config, self._fingerprint = served.config, served.fingerprint
         self._faults = faults
@@ -49,10 +59,16 @@ class KvSender:
         while True:
             item = await self._queue.get()
             if isinstance(item, int):
-                yield pb.KvPush(commit=pb.KvCommit(
-                    lease_id=self.lease_id, first_token_id=item, num_chunks=len(self._crcs),
-                    digest=digest(self._crcs), request_id=self._spec.request_id,
-                    prompt_digest=prompt_digest(self._spec.prompt_token_ids)))
+                yield pb.KvPush(
+                    commit=pb.KvCommit(
+                        lease_id=self.lease_id,
+                        first_token_id=item,
+                        num_chunks=len(self._crcs),
+                        digest=digest(self._crcs),
+                        request_id=self._spec.request_id,
+                        prompt_digest=prompt_digest(self._spec.prompt_token_ids),
+                    )
+                )
                 return
             for chunk in self._chunks(*item):
                 if self.first_sent_at is None:
@@ -64,10 +80,17 @@ class KvSender:
         for start, end, payload in encode_layer(k, v, self._tokens_per_chunk):
             crc = crc32(payload)
             chunk = pb.KvChunk(
-                lease_id=self.lease_id, index=len(self._crcs), layer=layer, token_start=start,
-                token_end=end, dtype=DTYPE_TO_PB[self._config.dtype],
+                lease_id=self.lease_id,
+                index=len(self._crcs),
+                layer=layer,
+                token_start=start,
+                token_end=end,
+                dtype=DTYPE_TO_PB[self._config.dtype],
                 shape=[2, end - start, self._config.kv_heads, self._config.head_dim],
-                data=payload, crc32=crc, model_fingerprint=self._fingerprint)
+                data=payload,
+                crc32=crc,
+                model_fingerprint=self._fingerprint,
+            )
             self._crcs.append(crc)
             self.bytes += len(payload)
             yield chunk

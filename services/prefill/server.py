@@ -14,8 +14,13 @@ from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, Prefill
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
 from pdserve.rpc import convert
-from pdserve.rpc.server import (CHANNEL_OPTIONS, Admission, Server, instance_name,
-                                run_until_signalled)
+from pdserve.rpc.server import (
+    CHANNEL_OPTIONS,
+    Admission,
+    Server,
+    instance_name,
+    run_until_signalled,
+)
 from pdserve.settings import PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -31,10 +36,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, served: ServedModel, settings: PrefillSettings, instance: str) -> None:
         self.served, self.config = served, served.config
         self.settings, self.instance = settings, instance
-        self.scheduler = PrefillScheduler(served.model, settings.max_batch_size,
-                                          settings.max_batch_tokens)
-        self.loop = EngineLoop("prefill-engine", self._step,
-                               lambda: self.scheduler.has_work, self._crashed)
+        self.scheduler = PrefillScheduler(
+            served.model, settings.max_batch_size, settings.max_batch_tokens
+        )
+        self.loop = EngineLoop(
+            "prefill-engine", self._step, lambda: self.scheduler.has_work, self._crashed
+        )
         self.steps = 0
         self.broken: str | None = None  # why the engine loop failed, once it has
         self.on_broken: Callable[[], None] = lambda: None
@@ -60,8 +67,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         if self.broken:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"this prefill instance's engine failed: {self.broken}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"this prefill instance's engine failed: {self.broken}"
+            )
         await self.admission.refuse_if_draining(context)
         with self.admission.track():
             return await self._prefill(request, context)
@@ -69,24 +77,41 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         try:
             check_same_model(self.served, request.model_fingerprint, "the prefill request")
-            spec = validate(convert.spec_from_internal(
-                request.request_id, request.prompt_token_ids, request.sampling), self.config)
+            spec = validate(
+                convert.spec_from_internal(
+                    request.request_id, request.prompt_token_ids, request.sampling
+                ),
+                self.config,
+            )
         except ModelMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.lease_id or not request.decode_address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "lease_id and decode_address are required")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "lease_id and decode_address are required"
+            )
         loop = asyncio.get_running_loop()
-        sender = KvSender(loop, request.lease_id, spec, self.served, self.settings.chunk_bytes,
-                          self.settings.common.faults)
+        sender = KvSender(
+            loop,
+            request.lease_id,
+            spec,
+            self.served,
+            self.settings.chunk_bytes,
+            self.settings.common.faults,
+        )
         done: asyncio.Future = loop.create_future()
-        job = PrefillJob(spec, sender.on_layer_kv,
-                         on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
-                         on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)))
-        push = asyncio.ensure_future(self._stub(request.decode_address).PushKv(
-            sender.pushes(), timeout=context.time_remaining()))
+        job = PrefillJob(
+            spec,
+            sender.on_layer_kv,
+            on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
+            on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)),
+        )
+        push = asyncio.ensure_future(
+            self._stub(request.decode_address).PushKv(
+                sender.pushes(), timeout=context.time_remaining()
+            )
+        )
         self.scheduler.add(job)
         self.loop.wake()
         try:
@@ -95,9 +120,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             reply = await push
         except grpc.aio.AioRpcError as exc:
             metrics.REQUESTS.labels("prefill", "error", exc.code().name).inc()
-            await context.abort(_push_status(exc.code()),
-                                f"KV push to decode {request.decode_address} failed: "
-                                f"{exc.code().name}: {exc.details()}")
+            await context.abort(
+                _push_status(exc.code()),
+                f"KV push to decode {request.decode_address} failed: "
+                f"{exc.code().name}: {exc.details()}",
+            )
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
@@ -105,17 +132,29 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             push.cancel()
         return self._reply(spec.request_id, first_token, timing, sender, reply)
 
-    def _reply(self, request_id: str, first_token: int, timing: PrefillTiming, sender: KvSender,
-               reply: pb.PushKvReply) -> pb.PrefillReply:
+    def _reply(
+        self,
+        request_id: str,
+        first_token: int,
+        timing: PrefillTiming,
+        sender: KvSender,
+        reply: pb.PushKvReply,
+    ) -> pb.PrefillReply:
         now = time.perf_counter()
         handoff = now - sender.first_sent_at if sender.first_sent_at else 0.0
         metrics.record_handoff("prefill", handoff, reply.bytes)
         metrics.REQUESTS.labels("prefill", "ok", "OK").inc()
         return pb.PrefillReply(
-            request_id=request_id, first_token_id=first_token, handoff_bytes=reply.bytes,
-            handoff_seconds=handoff, prefill_seconds=timing.prefill_seconds,
-            queue_seconds=timing.queue_seconds, num_chunks=sender.num_chunks,
-            instance=self.instance, handoff_exposed_seconds=now - timing.finished_at)
+            request_id=request_id,
+            first_token_id=first_token,
+            handoff_bytes=reply.bytes,
+            handoff_seconds=handoff,
+            prefill_seconds=timing.prefill_seconds,
+            queue_seconds=timing.queue_seconds,
+            num_chunks=sender.num_chunks,
+            instance=self.instance,
+            handoff_exposed_seconds=now - timing.finished_at,
+        )
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return convert.model_info_to_pb(self.served)
@@ -133,6 +172,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
     """Completes `future` from the engine thread (with a result, or an exception instance)."""
+
     def settle() -> None:
         if future.done():
             return
@@ -140,6 +180,7 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> 
             future.set_exception(value)
         else:
             future.set_result(value)
+
     loop.call_soon_threadsafe(settle)
 
 
@@ -159,18 +200,22 @@ def _push_status(code: grpc.StatusCode) -> grpc.StatusCode:
 
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
-    instance = settings.common.instance or instance_name("prefill", settings.common.host, server.port)
+    instance = settings.common.instance or instance_name(
+        "prefill", settings.common.host, server.port
+    )
     servicer = PrefillServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
     loop = asyncio.get_running_loop()
     servicer.on_broken = lambda: loop.call_soon_threadsafe(
-        lambda: asyncio.ensure_future(server.set_serving(False)))
+        lambda: asyncio.ensure_future(server.set_serving(False))
+    )
     servicer.loop.start()
 
     async def on_stop() -> None:
         servicer.loop.stop()
 
-    await run_until_signalled(server, instance, settings.common.grace_seconds, servicer.admission,
-                              on_stop)
+    await run_until_signalled(
+        server, instance, settings.common.grace_seconds, servicer.admission, on_stop
+    )

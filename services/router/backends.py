@@ -37,8 +37,14 @@ class Instance:
 
 
 class BackendSet:
-    def __init__(self, role: str, targets: list[str], make_stub: Callable[[grpc.aio.Channel], object],
-                 model_fingerprint: str, model_identity: str):
+    def __init__(
+        self,
+        role: str,
+        targets: list[str],
+        make_stub: Callable[[grpc.aio.Channel], object],
+        model_fingerprint: str,
+        model_identity: str,
+    ):
         self.role, self.targets, self._make_stub = role, targets, make_stub
         self.model_fingerprint, self._model_identity = model_fingerprint, model_identity
         self.instances: dict[str, Instance] = {}
@@ -51,15 +57,18 @@ class BackendSet:
         same_model = [i for i in self.instances.values() if not i.mismatch]
         if not same_model and self.instances:
             mismatch = next(iter(self.instances.values())).mismatch
-            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"no {self.role} instance serves this router's model: {mismatch}")
+            raise RouterError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no {self.role} instance serves this router's model: {mismatch}",
+            )
         pool = [i for i in same_model if i.healthy] or same_model
         if not pool:
             return []
         start = next(self._turn) % len(pool)
         rotated = pool[start:] + pool[:start]
-        return [i for i in rotated if i.address not in avoid] + \
-            [i for i in rotated if i.address in avoid]
+        return [i for i in rotated if i.address not in avoid] + [
+            i for i in rotated if i.address in avoid
+        ]
 
     @property
     def any_healthy(self) -> bool:
@@ -86,8 +95,9 @@ class BackendSet:
     async def _check(self, instance: Instance) -> None:
         stub = health_pb2_grpc.HealthStub(instance.channel)
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(),
-                                     timeout=HEALTH_TIMEOUT_SECONDS)
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_SECONDS
+            )
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             healthy = False
@@ -95,24 +105,32 @@ class BackendSet:
             await self._check_model(instance)
         healthy = healthy and bool(instance.model_fingerprint) and not instance.mismatch
         if healthy != instance.healthy:
-            log.info("%s instance %s is %s", self.role, instance.address,
-                     "up" if healthy else "down")
+            log.info(
+                "%s instance %s is %s", self.role, instance.address, "up" if healthy else "down"
+            )
         instance.healthy = healthy
 
     async def _check_model(self, instance: Instance) -> None:
         """Asks once which model the instance serves; a different one is never used."""
         try:
-            info = await instance.stub.GetModelInfo(pb.ModelInfoRequest(),
-                                                    timeout=HEALTH_TIMEOUT_SECONDS)
+            info = await instance.stub.GetModelInfo(
+                pb.ModelInfoRequest(), timeout=HEALTH_TIMEOUT_SECONDS
+            )
         except grpc.aio.AioRpcError as exc:
-            log.warning("%s instance %s did not say which model it serves: %s", self.role,
-                        instance.address, exc.code().name)
+            log.warning(
+                "%s instance %s did not say which model it serves: %s",
+                self.role,
+                instance.address,
+                exc.code().name,
+            )
             return
         instance.model_fingerprint = info.fingerprint
         if info.fingerprint != self.model_fingerprint:
-            instance.mismatch = (f"{self.role} {instance.address} serves {info.name} "
-                                 f"({info.architecture}, {info.dtype}, fingerprint "
-                                 f"{info.fingerprint}), the router {self._model_identity}")
+            instance.mismatch = (
+                f"{self.role} {instance.address} serves {info.name} "
+                f"({info.architecture}, {info.dtype}, fingerprint "
+                f"{info.fingerprint}), the router {self._model_identity}"
+            )
             log.error("refusing %s: it serves another model", instance.mismatch)
 
     async def close(self) -> None:
@@ -126,9 +144,9 @@ async def _resolve(target: str) -> set[str]:
     if _is_ip(host):
         return {target}
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port),
-                                                             type=socket.SOCK_STREAM,
-                                                             family=socket.AF_INET)
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM, family=socket.AF_INET
+        )
     except OSError as exc:
         log.warning("cannot resolve %s: %s", target, exc)
         return set()

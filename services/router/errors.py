@@ -3,9 +3,15 @@
 import grpc
 
 # A backend failing with these is worth another try elsewhere; the others are final.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DATA_LOSS,
+}
 
 
 class RouterError(Exception):

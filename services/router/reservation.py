@@ -64,14 +64,17 @@ class ReservationLine:
             if reservation is not None:
                 return reservation
         if self.queued >= self._settings.max_queue:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router queue is full ({self._settings.max_queue} waiting)")
+            raise RouterError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router queue is full ({self._settings.max_queue} waiting)",
+            )
         give_up = min(time.monotonic() + self._settings.queue_timeout_seconds, inflight.deadline)
         self.queued += 1
         try:
             try:
-                await asyncio.wait_for(self._head_of_line.acquire(),
-                                       max(give_up - time.monotonic(), 0.0))
+                await asyncio.wait_for(
+                    self._head_of_line.acquire(), max(give_up - time.monotonic(), 0.0)
+                )
             except asyncio.TimeoutError:
                 raise self._no_room(inflight, give_up) from None
             try:
@@ -81,8 +84,9 @@ class ReservationLine:
         finally:
             self.queued -= 1
 
-    async def _poll_until_room(self, inflight: Inflight, avoid: set[str], give_up: float
-                               ) -> Reservation:
+    async def _poll_until_room(
+        self, inflight: Inflight, avoid: set[str], give_up: float
+    ) -> Reservation:
         backoff = FIRST_BACKOFF_SECONDS
         while True:
             reservation = await self._try_all(inflight, avoid)
@@ -102,41 +106,56 @@ class ReservationLine:
 
     def _no_room(self, inflight: Inflight, give_up: float) -> RouterError:
         if give_up >= inflight.deadline:
-            return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "deadline passed while waiting for decode room")
-        return RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"no decode instance had room for {inflight.spec.max_total_tokens} "
-                           f"tokens within {self._settings.queue_timeout_seconds:.1f} s")
+            return RouterError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while waiting for decode room"
+            )
+        return RouterError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"no decode instance had room for {inflight.spec.max_total_tokens} "
+            f"tokens within {self._settings.queue_timeout_seconds:.1f} s",
+        )
 
     async def _try_reserve(self, decode: Instance, inflight: Inflight) -> Reservation | None:
         spec = inflight.spec
-        call = decode.stub.Generate(pb.DecodeRequest(
-            request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
-            sampling=convert.sampling_to_pb(spec.sampling),
-            model_fingerprint=self._decodes.model_fingerprint), timeout=inflight.remaining())
+        call = decode.stub.Generate(
+            pb.DecodeRequest(
+                request_id=spec.request_id,
+                prompt_token_ids=spec.prompt_token_ids,
+                sampling=convert.sampling_to_pb(spec.sampling),
+                model_fingerprint=self._decodes.model_fingerprint,
+            ),
+            timeout=inflight.remaining(),
+        )
         try:
             # Bounded: a decode instance that accepts the call but stalls must not hold up the
             # line (the head of the line waits here).
-            event = await asyncio.wait_for(call.read(), min(inflight.remaining(),
-                                                            RESERVE_TIMEOUT_SECONDS))
+            event = await asyncio.wait_for(
+                call.read(), min(inflight.remaining(), RESERVE_TIMEOUT_SECONDS)
+            )
         except asyncio.CancelledError:
             call.cancel()  # the client left while we waited for the lease
             raise
         except asyncio.TimeoutError:
             call.cancel()
             if time.monotonic() >= inflight.deadline:
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  "deadline passed while waiting for decode room") from None
-            log.warning("decode %s did not answer a reservation in %.0f s", decode.address,
-                        RESERVE_TIMEOUT_SECONDS)
+                raise RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "deadline passed while waiting for decode room",
+                ) from None
+            log.warning(
+                "decode %s did not answer a reservation in %.0f s",
+                decode.address,
+                RESERVE_TIMEOUT_SECONDS,
+            )
             self._decodes.mark_down(decode)
             return None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise RouterError(exc.code(), "deadline passed while waiting for decode room")
             if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # will never fit: say so at once
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"decode {decode.address}: {exc.details()}")
+                raise RouterError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode {decode.address}: {exc.details()}"
+                )
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._decodes.mark_down(decode)
             elif exc.code() not in RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:

@@ -32,13 +32,17 @@ log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 1.0
 RETRY_BACKOFF_SECONDS = 0.05
+
+
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, served: ServedModel, settings: RouterSettings) -> None:
         self.served, self.config, self.settings = served, served.config, settings
-        self.prefills = BackendSet("prefill", settings.prefill, pb_grpc.PrefillStub,
-                                   served.fingerprint, served.identity)
-        self.decodes = BackendSet("decode", settings.decode, pb_grpc.DecodeStub,
-                                  served.fingerprint, served.identity)
+        self.prefills = BackendSet(
+            "prefill", settings.prefill, pb_grpc.PrefillStub, served.fingerprint, served.identity
+        )
+        self.decodes = BackendSet(
+            "decode", settings.decode, pb_grpc.DecodeStub, served.fingerprint, served.identity
+        )
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
 
@@ -46,13 +50,13 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
         try:
-            spec = validate(convert.spec_from_generate(request, self.served.tokenizer),
-                            self.config)
+            spec = validate(convert.spec_from_generate(request, self.served.tokenizer), self.config)
         except InvalidRequest as exc:
             metrics.record_request("router", "INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        budget = min(context.time_remaining() or float("inf"),
-                     self.settings.request_timeout_seconds)
+        budget = min(
+            context.time_remaining() or float("inf"), self.settings.request_timeout_seconds
+        )
         inflight = Inflight(spec, received, time.monotonic() + budget)
         try:
             async for response in self._with_retries(inflight):
@@ -74,14 +78,21 @@ class RouterServicer(pb_grpc.RouterServicer):
                 return
             except HandoffFailed as exc:
                 if sent:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"{exc}; tokens had already reached the client, so the "
-                                      f"request is not replayed") from None
+                    raise RouterError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{exc}; tokens had already reached the client, so the "
+                        f"request is not replayed",
+                    ) from None
                 if attempt == self.settings.max_attempts:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"handoff failed {attempt} times; last: {exc}") from None
-                log.warning("request %s attempt %d failed (%s); retrying elsewhere",
-                            spec.request_id, attempt, exc)
+                    raise RouterError(
+                        grpc.StatusCode.UNAVAILABLE, f"handoff failed {attempt} times; last: {exc}"
+                    ) from None
+                log.warning(
+                    "request %s attempt %d failed (%s); retrying elsewhere",
+                    spec.request_id,
+                    attempt,
+                    exc,
+                )
                 avoid |= exc.instances
                 await asyncio.sleep(RETRY_BACKOFF_SECONDS * attempt)
 
@@ -89,24 +100,41 @@ class RouterServicer(pb_grpc.RouterServicer):
         spec = inflight.spec
         prefill = self._pick_prefill(avoid)  # first: a reservation must never be left behind
         reservation = await self.line.reserve(inflight, avoid)
-        prefill_call = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
-            request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids,
-            sampling=convert.sampling_to_pb(spec.sampling), lease_id=reservation.lease.lease_id,
-            decode_address=reservation.decode.address,
-            model_fingerprint=self.served.fingerprint), timeout=inflight.remaining()))
+        prefill_call = asyncio.ensure_future(
+            prefill.stub.Prefill(
+                pb.PrefillRequest(
+                    request_id=spec.request_id,
+                    prompt_token_ids=spec.prompt_token_ids,
+                    sampling=convert.sampling_to_pb(spec.sampling),
+                    lease_id=reservation.lease.lease_id,
+                    decode_address=reservation.decode.address,
+                    model_fingerprint=self.served.fingerprint,
+                ),
+                timeout=inflight.remaining(),
+            )
+        )
         # A prefill that fails before the commit ends the token stream too, so the relay below
         # never waits forever; after the commit, decode owns the sequence and carries on.
         prefill_call.add_done_callback(
-            lambda call: _failed(call) and not reservation.streaming and reservation.call.cancel())
+            lambda call: _failed(call) and not reservation.streaming and reservation.call.cancel()
+        )
         try:
             async for event in self._relay(reservation, prefill_call, prefill):
                 if isinstance(event, pb.TokenEvent):
-                    yield pb.GenerateResponse(request_id=spec.request_id,
-                                              token_ids=event.token_ids, text=event.text)
+                    yield pb.GenerateResponse(
+                        request_id=spec.request_id, token_ids=event.token_ids, text=event.text
+                    )
                 else:
                     finished, reply, first_token_at = event
-                    yield self._final(spec, finished, reply, reservation, inflight.received,
-                                      first_token_at, attempt)
+                    yield self._final(
+                        spec,
+                        finished,
+                        reply,
+                        reservation,
+                        inflight.received,
+                        first_token_at,
+                        attempt,
+                    )
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
@@ -117,8 +145,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             raise HandoffFailed("no prefill instance is known", set())
         return ordered[0]
 
-    async def _relay(self, reservation: Reservation, prefill_call: asyncio.Future,
-                     prefill: Instance):
+    async def _relay(
+        self, reservation: Reservation, prefill_call: asyncio.Future, prefill: Instance
+    ):
         """Token events, then (finished, prefill reply, first token time) once decode is done."""
         first_token_at = None
         try:
@@ -131,19 +160,29 @@ class RouterServicer(pb_grpc.RouterServicer):
                     yield event.finished, await _reply_or_empty(prefill_call), first_token_at
                     return
         except grpc.aio.AioRpcError as exc:
-            raise self._failure(exc.code(), exc.details(), reservation, prefill_call,
-                                prefill) from None
+            raise self._failure(
+                exc.code(), exc.details(), reservation, prefill_call, prefill
+            ) from None
         except asyncio.CancelledError:
             if not _failed(prefill_call) or asyncio.current_task().cancelling():
                 raise  # the client left
             # The prefill's failure cancelled the decode call (see _attempt).
-            raise self._failure(grpc.StatusCode.CANCELLED, "cancelled", reservation,
-                                prefill_call, prefill) from None
-        raise HandoffFailed(f"decode {reservation.decode.address} ended the token stream early",
-                            {reservation.decode.address})
+            raise self._failure(
+                grpc.StatusCode.CANCELLED, "cancelled", reservation, prefill_call, prefill
+            ) from None
+        raise HandoffFailed(
+            f"decode {reservation.decode.address} ended the token stream early",
+            {reservation.decode.address},
+        )
 
-    def _failure(self, code: grpc.StatusCode, details: str, reservation: Reservation,
-                 prefill_call: asyncio.Future, prefill: Instance) -> RouterError:
+    def _failure(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        reservation: Reservation,
+        prefill_call: asyncio.Future,
+        prefill: Instance,
+    ) -> RouterError:
         """The most telling error: prefill's when it failed (decode was cancelled for it)."""
         where, culprit = f"decode {reservation.decode.address}", reservation.decode
         if _failed(prefill_call) and isinstance(prefill_call.exception(), grpc.aio.AioRpcError):
@@ -157,23 +196,45 @@ class RouterServicer(pb_grpc.RouterServicer):
             (self.prefills if culprit is prefill else self.decodes).mark_down(culprit)
         return HandoffFailed(f"{where}: {code.name}: {details}", {culprit.address})
 
-    def _final(self, spec: GenerateSpec, finished: pb.DecodeFinished, reply: pb.PrefillReply,
-               reservation: Reservation, received: float, first_token_at: float, attempt: int
-               ) -> pb.GenerateResponse:
+    def _final(
+        self,
+        spec: GenerateSpec,
+        finished: pb.DecodeFinished,
+        reply: pb.PrefillReply,
+        reservation: Reservation,
+        received: float,
+        first_token_at: float,
+        attempt: int,
+    ) -> pb.GenerateResponse:
         now = time.perf_counter()
-        metrics.record_request("router", "OK", first_token_at - received, now - received,
-                               finished.usage.completion_tokens, finished.usage.prompt_tokens)
+        metrics.record_request(
+            "router",
+            "OK",
+            first_token_at - received,
+            now - received,
+            finished.usage.completion_tokens,
+            finished.usage.prompt_tokens,
+        )
         metrics.record_handoff("router", reply.handoff_seconds, reply.handoff_bytes)
         return pb.GenerateResponse(
-            request_id=spec.request_id, token_ids=finished.last.token_ids,
-            text=finished.last.text, finish_reason=finished.finish_reason, usage=finished.usage,
+            request_id=spec.request_id,
+            token_ids=finished.last.token_ids,
+            text=finished.last.text,
+            finish_reason=finished.finish_reason,
+            usage=finished.usage,
             metrics=pb.RequestMetrics(
                 time_to_first_token_seconds=first_token_at - received,
-                end_to_end_seconds=now - received, handoff_bytes=reply.handoff_bytes,
-                handoff_seconds=reply.handoff_seconds, prefill_seconds=reply.prefill_seconds,
-                queue_seconds=reply.queue_seconds, prefill_instance=reply.instance,
-                decode_instance=reservation.lease.instance, attempts=attempt,
-                handoff_exposed_seconds=reply.handoff_exposed_seconds))
+                end_to_end_seconds=now - received,
+                handoff_bytes=reply.handoff_bytes,
+                handoff_seconds=reply.handoff_seconds,
+                prefill_seconds=reply.prefill_seconds,
+                queue_seconds=reply.queue_seconds,
+                prefill_instance=reply.instance,
+                decode_instance=reservation.lease.instance,
+                attempts=attempt,
+                handoff_exposed_seconds=reply.handoff_exposed_seconds,
+            ),
+        )
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return convert.model_info_to_pb(self.served)
@@ -183,11 +244,18 @@ class RouterServicer(pb_grpc.RouterServicer):
         serving = None
         while True:
             await asyncio.gather(self.prefills.refresh(), self.decodes.refresh())
-            now_serving = (self.prefills.any_healthy and self.decodes.any_healthy
-                           and not self.admission.draining)
+            now_serving = (
+                self.prefills.any_healthy
+                and self.decodes.any_healthy
+                and not self.admission.draining
+            )
             if now_serving != serving:
-                log.info("router %s", "serving" if now_serving else
-                         "not serving: waiting for a healthy prefill and decode instance")
+                log.info(
+                    "router %s",
+                    "serving"
+                    if now_serving
+                    else "not serving: waiting for a healthy prefill and decode instance",
+                )
                 await server.set_serving(now_serving)
                 serving = now_serving
             await asyncio.sleep(REFRESH_SECONDS)
@@ -198,8 +266,11 @@ async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillReply:
     try:
         return await prefill_call
     except grpc.aio.AioRpcError as exc:
-        log.warning("prefill failed after the commit (%s); the request completes without its "
-                    "handoff figures", exc.code().name)
+        log.warning(
+            "prefill failed after the commit (%s); the request completes without its "
+            "handoff figures",
+            exc.code().name,
+        )
         return pb.PrefillReply()
 
 
@@ -219,5 +290,11 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
         refresher.cancel()
         await asyncio.gather(servicer.prefills.close(), servicer.decodes.close())
 
-    await run_until_signalled(server, "router", settings.common.grace_seconds, servicer.admission,
-                              on_stop, serving_at_start=False)
+    await run_until_signalled(
+        server,
+        "router",
+        settings.common.grace_seconds,
+        servicer.admission,
+        on_stop,
+        serving_at_start=False,
+    )
