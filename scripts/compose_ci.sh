@@ -130,6 +130,12 @@ EOF
 )
 export PDSERVE_ROUTER_PORT=$ROUTER_PORT PDSERVE_ROUTER_METRICS_PORT=$ROUTER_METRICS_PORT
 export PROMETHEUS_PORT=$PROM_PORT PDSERVE_PUBLISH_ADDR=127.0.0.1
+# Placement as a small host would use it: decode alone on the last CPU, the rest elsewhere.
+LAST_CPU=$(( $(nproc) - 1 ))
+if (( LAST_CPU > 0 )); then
+  OTHERS=0; (( LAST_CPU > 1 )) && OTHERS=0-$(( LAST_CPU - 1 ))
+  export PDSERVE_DECODE_CPUSET=$LAST_CPU PDSERVE_PREFILL_CPUSET=$OTHERS PDSERVE_ROUTER_CPUSET=$OTHERS
+fi
 # Anything left by an earlier, interrupted run goes first.
 timeout 120 "${COMPOSE[@]}" down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
 phase base
@@ -173,6 +179,15 @@ wait_healthy() {  # $1: seconds; every container of the project healthy (or runn
   done
 }
 wait_healthy 180 || fail "services not healthy in time"
+if [[ -n "${PDSERVE_DECODE_CPUSET:-}" ]]; then
+  # The cpuset reached the container, and decode's threads followed it.
+  cpuset=$(docker inspect --format '{{.HostConfig.CpusetCpus}}' "$("${COMPOSE[@]}" ps -q decode)")
+  [[ "$cpuset" == "$PDSERVE_DECODE_CPUSET" ]] || fail "decode cpuset is '$cpuset', want $PDSERVE_DECODE_CPUSET"
+  "${COMPOSE[@]}" logs --no-color decode >"$LOGS/placement.log" 2>&1
+  grep -q "torch threads: 1 on CPUs \[$PDSERVE_DECODE_CPUSET\]" "$LOGS/placement.log" \
+    || { tail -20 "$LOGS/placement.log" >&2; fail "decode's torch threads did not follow its cpuset"; }
+  echo "  placement: decode on CPU $PDSERVE_DECODE_CPUSET with 1 torch thread, prefill on $PDSERVE_PREFILL_CPUSET"
+fi
 phase query
 
 # ------------------------------------------------------------------ query
