@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Faults:
     def parse(cls, spec: str) -> "Faults":
         """Faults from "name=value,..."; an unknown name is an error, not silently ignored."""
         types = {f.name: (float if f.name == "stall_seconds" else int) for f in fields(cls)}
-        values = {}
+        values: dict[str, Any] = {}  # int or float by field: what cls(**values) checks
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, _, raw = item.partition("=")
             if name not in types:

@@ -123,6 +123,7 @@ def record_request(
     REQUESTS.labels(service, "ok" if code == "OK" else "error", code).inc()
     if code != "OK":
         return
+    assert ttft is not None and e2e is not None, "a successful request has both latencies"
     TTFT_SECONDS.labels(service).observe(ttft)
     E2E_SECONDS.labels(service).observe(e2e)
     if completion_tokens > 1:

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import ClassVar, get_type_hints
+from typing import ClassVar, Protocol, get_type_hints
 
 from pdserve.faults import Faults
 
@@ -173,8 +173,14 @@ class ColocatedSettings:
             )
 
 
+class SettingsClass(Protocol):
+    """What every settings class above has: the title of its --help group."""
+
+    TITLE: ClassVar[str]
+
+
 # The settings each role shows as flags, in --help order.
-ROLE_SETTINGS = {
+ROLE_SETTINGS: dict[str, tuple[type[SettingsClass], ...]] = {
     "router": (CommonSettings, RouterSettings),
     "prefill": (CommonSettings, PrefillSettings),
     "decode": (CommonSettings, DecodeSettings),
@@ -230,7 +236,10 @@ def _dest(f: Field) -> str:
 
 
 def _default(f: Field):
-    return f.default_factory() if f.default is MISSING else f.default
+    if f.default is not MISSING:
+        return f.default
+    assert f.default_factory is not MISSING, f"setting {f.name} has no default"
+    return f.default_factory()
 
 
 def _raw_env(name: str) -> str | None:

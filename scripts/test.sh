@@ -10,6 +10,8 @@ if ! command -v prometheus >/dev/null; then
   apt-get install -y -q prometheus >/dev/null 2>&1 || \
     { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }
 fi
-# Lint first: seconds, and a clear message before the long run.
+# Lint, format and type checks first: seconds, and a clear message before the long run.
 .venv/bin/ruff check pdserve services tests bench
+.venv/bin/ruff format --check pdserve services tests bench
+.venv/bin/mypy  # paths and strictness: [tool.mypy] in pyproject.toml
 exec .venv/bin/python -m pytest -q "$@"

@@ -9,6 +9,7 @@ import datetime as dt
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from pdserve.settings import env
 
@@ -39,8 +40,8 @@ examples:
   pdserve bench --dataset prompts.jsonl --rate inf --num-requests 20 --concurrency 4
   pdserve bench --from-json disagg.json colocated.json --plot compare.png"""
 
-# Built-in defaults; a preset replaces some; an explicit flag beats both.
-DEFAULTS = {
+# Built-in defaults; a preset replaces some; an explicit flag beats both. Values: each flag's type.
+DEFAULTS: dict[str, Any] = {
     "arrival": "poisson",
     "rate": "4",
     "burstiness": 1.0,

@@ -90,6 +90,7 @@ def local_parameter_count(info: dict) -> tuple[int | None, str]:
         )
     from pdserve.models import checkpoint
 
+    assert local.source is not None  # only TinyGPT has no checkpoint, and it was counted above
     count = sum(safetensors_elements(f) for f in checkpoint.weight_files(local.source))
     return count, "counted from the local checkpoint's tensor shapes; fingerprint matches"
 
@@ -114,6 +115,7 @@ def cpu_conditions(cpuinfo: str = "/proc/cpuinfo") -> dict:
                     break
     except OSError:
         pass
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

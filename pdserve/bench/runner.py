@@ -199,7 +199,7 @@ async def send_one(
     )
     sent = time.perf_counter()
     result.sent = sent - t0
-    first = last = None
+    last: float | None = None  # when the latest tokens came; None before the first
     last_response = None
     try:
         call = stub.Generate(to_pb(request, request_id, options), timeout=options.timeout)
@@ -207,8 +207,7 @@ async def send_one(
             now = time.perf_counter()
             k = len(response.token_ids)
             if k:
-                if first is None:
-                    first = now
+                if last is None:
                     result.ttft = now - sent
                     result.itl.extend([0.0] * (k - 1))
                 else:

@@ -68,8 +68,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def describe(values: Iterable[float]) -> dict:
-    """count, mean, min, max and the PERCENTILES of the values (None where there are none)."""
+def describe(values: Iterable[float | None]) -> dict:
+    """count, mean, min, max and the PERCENTILES of the values (None where there are none); a
+    None or NaN value is left out."""
     xs = [v for v in values if v is not None and not math.isnan(v)]
     out: dict = {"count": len(xs)}
     if not xs:

@@ -153,7 +153,7 @@ def unit_gaps(arrival: str, burstiness: float, rng: random.Random) -> Iterator[f
 
 def load_dataset(path: str | Path) -> list[DatasetEntry]:
     """Reads a JSONL file of {"prompt": str, "max_tokens": int (optional)} objects."""
-    entries = []
+    entries: list[DatasetEntry] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -217,7 +217,7 @@ def generate(
     """The first `num_requests` requests, or those arriving before `duration` seconds, or both."""
     if num_requests is None and (duration is None or math.isinf(spec.rate)):
         raise ValueError("give a number of requests, or a duration with a finite rate")
-    out = []
+    out: list[BenchRequest] = []
     for request in iter_requests(spec):
         if num_requests is not None and len(out) >= num_requests:
             break

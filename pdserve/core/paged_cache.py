@@ -5,6 +5,7 @@ Head-major, [layers, K/V, kv_heads, slots, head_dim]: gathering a batch's slots 
 decode attention reads the gathered KV in place, with no transposing copy.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ class PagedCache:
         self.kv[layer, 1].index_copy_(1, index, v.transpose(0, 1))
 
     def step_view(
-        self, tables: list[BlockTable], lengths: list[int], chunks: list["PromptChunk"] = ()
+        self, tables: list[BlockTable], lengths: list[int], chunks: Sequence["PromptChunk"] = ()
     ) -> "DecodeStepKv":
         """The cache as one decode step sees it: each sequence's `lengths[i]` tokens, one new;
         then, for chunked prefill, prompt chunks whose rows follow the decode rows."""
@@ -67,7 +68,7 @@ class DecodeStepKv:
         cache: PagedCache,
         tables: list[BlockTable],
         lengths: list[int],
-        chunks: list["PromptChunk"] = (),
+        chunks: Sequence["PromptChunk"] = (),
     ) -> None:
         self._cache = cache
         block_size = cache.block_size

@@ -99,7 +99,8 @@ class PrefillScheduler:
 
     def schedule(self) -> list[PrefillJob]:
         """FIFO jobs within the batch size and token budget; always at least one if any wait."""
-        batch, tokens = [], 0
+        batch: list[PrefillJob] = []
+        tokens = 0
         with self._lock:
             while self._waiting and len(batch) < self.max_batch_size:
                 job = self._waiting[0]

@@ -10,9 +10,13 @@ CheckpointError that names the file and the field. Only `weights` imports torch.
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.core.config import DTYPE_SIZES, ModelConfig
 from pdserve.models.tokenizer import HfTokenizer
+
+if TYPE_CHECKING:  # only for annotations: the router reads checkpoints without torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +207,8 @@ def load_weights(directory: Path, expected: dict) -> dict:
     """Every tensor the model expects, checked by name and shape; `expected` maps name -> shape."""
     from safetensors import SafetensorError, safe_open
 
-    tensors, where = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}  # the file of every tensor seen, loaded or not
     for path in weight_files(directory):
         try:
             with safe_open(str(path), framework="pt") as f:

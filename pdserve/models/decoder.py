@@ -7,21 +7,46 @@ An architecture subclasses DecoderOnly and provides:
   head(x)                   -> logits
 """
 
+from typing import Any, Iterable, Protocol, cast
+
 import torch
 from torch import nn
 
+from pdserve.core.config import ModelConfig
 from pdserve.models import attention
 from pdserve.models.protocol import ContiguousKv, LayerKvCallback, PagedKv
 
 
+class DecoderLayer(Protocol):
+    """What each of an architecture's `layers` does (rotary: what its `rotary()` returned)."""
+
+    def qkv(self, x: torch.Tensor, rotary: Any) -> tuple[torch.Tensor, ...]: ...
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecoderOnly(nn.Module):
+    config: ModelConfig  # set by each architecture's __init__
+
+    # What each architecture provides (see the module docstring).
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The DecoderLayers, in order."""
+        raise NotImplementedError
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     @torch.inference_mode()
     def prefill_packed(self, prompts: list[list[int]], on_layer: LayerKvCallback) -> torch.Tensor:
         lengths = [len(p) for p in prompts]
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lengths])
         x, rotary = self.embed(tokens, positions), self.rotary(positions)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
             on_layer(index, k, v)
             x = layer.finish(x, attention.packed_causal(q, k, v, lengths))
@@ -38,7 +63,7 @@ class DecoderOnly(nn.Module):
     ) -> torch.Tensor:
         pos = torch.tensor(positions, dtype=torch.long)
         x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
             x = layer.finish(x, cache.attend(index, q, k, v))
         return self.logits(x if logits_rows is None else x[logits_rows])
@@ -48,7 +73,7 @@ class DecoderOnly(nn.Module):
         start = cache[0][0].shape[0] if cache else 0
         pos = torch.arange(start, start + len(tokens))
         x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
             if len(cache) <= index:
                 cache.append((k[:0], v[:0]))
@@ -63,6 +88,10 @@ class DecoderOnly(nn.Module):
 
     def rotary(self, positions: torch.Tensor):
         return None
+
+    def _decoder_layers(self) -> Iterable[DecoderLayer]:
+        # nn.ModuleList is not generic: it types its items as Module, whatever they are.
+        return cast(Iterable[DecoderLayer], self.layers)
 
 
 def parameter_count(model: nn.Module) -> int:

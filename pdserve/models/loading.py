@@ -10,10 +10,14 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.core.config import ModelConfig
 from pdserve.models import checkpoint
 from pdserve.models.tokenizer import ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:  # the protocol imports torch, which the router must never load
+    from pdserve.models.protocol import CausalLM
 
 TINYGPT = "tinygpt"
 HASH_BLOCK = 1 << 20
@@ -26,7 +30,7 @@ class ServedModel:
     tokenizer: Tokenizer
     fingerprint: str  # architecture, shapes, dtype and a hash of the weights
     source: Path | None = None  # the checkpoint directory; None for TinyGPT
-    model: object = None  # the built model (a CausalLM) where weights were asked for
+    model: "CausalLM | None" = None  # the built model where weights were asked for
 
     @property
     def identity(self) -> str:
@@ -35,6 +39,13 @@ class ServedModel:
             f"{self.name} ({self.config.architecture}, {self.config.dtype}, "
             f"fingerprint {self.fingerprint})"
         )
+
+    @property
+    def built(self) -> "CausalLM":
+        """The built model, for the services that run it (loaded with weights=True)."""
+        if self.model is None:
+            raise RuntimeError(f"{self.identity} was loaded without its weights")
+        return self.model
 
 
 def load_served_model(ref: str, dtype: str = "", weights: bool = True) -> ServedModel:

@@ -39,7 +39,9 @@ class Detokenizer(Protocol):
 class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: frozenset[int]
-    has_chat_template: bool
+
+    @property
+    def has_chat_template(self) -> bool: ...
 
     def encode(self, text: str) -> list[int]: ...
 

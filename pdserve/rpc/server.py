@@ -97,7 +97,11 @@ def emission_queue() -> tuple[asyncio.Queue, Callable[[object], None]]:
     """A queue on the running event loop, and a sink that any thread (an engine) may feed."""
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    return queue, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def sink(item: object) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    return queue, sink
 
 
 def admitted(handler):

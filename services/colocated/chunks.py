@@ -9,18 +9,22 @@ not had any chunk yet; once a chunk has been taken, the engine thread owns the p
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine imports this module
+    from services.colocated.engine import Handle
 
 
 @dataclass
 class Waiting:
-    handle: object  # services.colocated.engine.Handle
+    handle: "Handle"
     prompt_len: int
     done: int = 0  # prompt positions already prefilled (or handed out this step)
 
 
 @dataclass(frozen=True)
 class Chunk:
-    handle: object
+    handle: "Handle"
     start: int
     end: int
 
@@ -34,11 +38,11 @@ class ChunkQueue:
         self._waiting: deque[Waiting] = deque()
         self._lock = threading.Lock()
 
-    def add(self, handle, prompt_len: int) -> None:
+    def add(self, handle: "Handle", prompt_len: int) -> None:
         with self._lock:
             self._waiting.append(Waiting(handle, prompt_len))
 
-    def remove(self, handle) -> bool:
+    def remove(self, handle: "Handle") -> bool:
         """True when the prompt was waiting with no chunk taken (the caller frees its blocks)."""
         with self._lock:
             for item in self._waiting:
@@ -47,7 +51,7 @@ class ChunkQueue:
                     return True
             return False
 
-    def drop(self, handle) -> None:
+    def drop(self, handle: "Handle") -> None:
         """Forgets a prompt however far it got (engine thread, on cancel or failure)."""
         with self._lock:
             for item in [i for i in self._waiting if i.handle is handle]:

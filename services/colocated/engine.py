@@ -45,11 +45,11 @@ class Handle:
 class ColocatedEngine:
     def __init__(self, served: ServedModel, settings: ColocatedSettings) -> None:
         d, p = settings.decode, settings.prefill
-        self.model = served.model
+        self.model = served.built
         self.pool = BlockPool(d.num_blocks, d.block_size)
         self.cache = PagedCache(served.config, d.num_blocks, d.block_size)
-        self.prefill = PrefillScheduler(served.model, p.max_batch_size, p.max_batch_tokens)
-        self.decode = DecodeScheduler(served.model, served.tokenizer, self.cache, d.max_batch)
+        self.prefill = PrefillScheduler(self.model, p.max_batch_size, p.max_batch_tokens)
+        self.decode = DecodeScheduler(self.model, served.tokenizer, self.cache, d.max_batch)
         self.chunk_tokens = settings.chunk_tokens
         self.chunks = ChunkQueue()
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self._crashed)
@@ -135,9 +135,11 @@ class ColocatedEngine:
         finished = time.perf_counter()
         for chunk, token in zip(completed, firsts, strict=True):
             h = chunk.handle
+            began = h.first_chunk_at
+            assert began is not None  # _claim noted it before the prompt's first chunk ran
             timing = PrefillTiming(
-                h.first_chunk_at - h.enqueued_at,
-                finished - h.first_chunk_at,
+                began - h.enqueued_at,
+                finished - began,
                 len(completed),
                 h.spec.prompt_len,
                 finished,

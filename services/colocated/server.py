@@ -10,7 +10,7 @@ from pdserve import metrics
 
 from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
-from pdserve.core.sequence import Emission
+from pdserve.core.sequence import FinishReason
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert
 from pdserve.rpc.server import (
@@ -61,7 +61,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
                     request_id=spec.request_id, token_ids=emission.token_ids, text=emission.text
                 )
                 if emission.finish_reason is not None:
-                    self._finish(response, emission, handle, received, first_token_at)
+                    self._finish(response, emission.finish_reason, handle, received, first_token_at)
                     yield response
                     return
                 yield response
@@ -93,7 +93,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
     def _finish(
         self,
         response: pb.GenerateResponse,
-        emission: Emission,
+        finish_reason: FinishReason,
         handle: Handle,
         received: float,
         first_token_at: float,
@@ -108,7 +108,7 @@ class ColocatedServicer(pb_grpc.RouterServicer):
             seq.generated if seq else 0,
             handle.spec.prompt_len,
         )
-        response.finish_reason = convert.FINISH_TO_PB[emission.finish_reason]
+        response.finish_reason = convert.FINISH_TO_PB[finish_reason]
         response.usage.CopyFrom(
             pb.Usage(
                 prompt_tokens=handle.spec.prompt_len, completion_tokens=seq.generated if seq else 0

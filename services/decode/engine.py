@@ -22,7 +22,7 @@ class DecodeEngine:
         self.pool = BlockPool(settings.num_blocks, settings.block_size)
         self.cache = PagedCache(self.config, settings.num_blocks, settings.block_size)
         self.scheduler = DecodeScheduler(
-            served.model, served.tokenizer, self.cache, settings.max_batch
+            served.built, served.tokenizer, self.cache, settings.max_batch
         )
         self.faults = settings.common.faults
         self.steps = 0

@@ -151,6 +151,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 else grpc.StatusCode.INVALID_ARGUMENT
             )
             await context.abort(code, str(exc))
+            raise AssertionError("unreachable: context.abort raises")
         except BaseException:
             if lease is not None:  # the stream broke or was cancelled before its commit
                 self.leases.void(lease, "KV stream broke before its commit")

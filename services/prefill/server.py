@@ -37,7 +37,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.served, self.config = served, served.config
         self.settings, self.instance = settings, instance
         self.scheduler = PrefillScheduler(
-            served.model, settings.max_batch_size, settings.max_batch_tokens
+            served.built, settings.max_batch_size, settings.max_batch_tokens
         )
         self.loop = EngineLoop(
             "prefill-engine", self._step, lambda: self.scheduler.has_work, self._crashed
@@ -208,9 +208,11 @@ async def serve(served: ServedModel, settings: PrefillSettings) -> None:
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
     loop = asyncio.get_running_loop()
-    servicer.on_broken = lambda: loop.call_soon_threadsafe(
-        lambda: asyncio.ensure_future(server.set_serving(False))
-    )
+
+    def on_broken() -> None:
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(server.set_serving(False)))
+
+    servicer.on_broken = on_broken
     servicer.loop.start()
 
     async def on_stop() -> None:

@@ -12,7 +12,7 @@ import itertools
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Callable
+from typing import AbstractSet, Any, Callable, Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,31 +26,41 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_SECONDS = 1.0
 
 
+class ModelInfoStub(Protocol):
+    """What every instance answers, prefill or decode: which model it serves."""
+
+    GetModelInfo: Callable[..., Any]
+
+
+# The generated gRPC stub an instance is called through (pb_grpc.PrefillStub or DecodeStub).
+StubT = TypeVar("StubT", bound=ModelInfoStub)
+
+
 @dataclass
-class Instance:
+class Instance(Generic[StubT]):
     address: str
     channel: grpc.aio.Channel
-    stub: object
+    stub: StubT
     healthy: bool = False
     model_fingerprint: str = ""  # as the instance reported it, once asked
     mismatch: str = ""  # why the instance may not be used, when its model differs
 
 
-class BackendSet:
+class BackendSet(Generic[StubT]):
     def __init__(
         self,
         role: str,
         targets: list[str],
-        make_stub: Callable[[grpc.aio.Channel], object],
+        make_stub: Callable[[grpc.aio.Channel], StubT],
         model_fingerprint: str,
         model_identity: str,
     ):
         self.role, self.targets, self._make_stub = role, targets, make_stub
         self.model_fingerprint, self._model_identity = model_fingerprint, model_identity
-        self.instances: dict[str, Instance] = {}
+        self.instances: dict[str, Instance[StubT]] = {}
         self._turn = itertools.count()
 
-    def ordered(self, avoid: set[str] = frozenset()) -> list[Instance]:
+    def ordered(self, avoid: AbstractSet[str] = frozenset()) -> list[Instance[StubT]]:
         """Healthy instances, rotated so that load spreads round-robin; those in `avoid` (which
         just failed this request) last. Unhealthy ones only when no instance is healthy. Raises
         RouterError when every instance serves another model."""
@@ -74,7 +84,7 @@ class BackendSet:
     def any_healthy(self) -> bool:
         return any(i.healthy for i in self.instances.values())
 
-    def mark_down(self, instance: Instance) -> None:
+    def mark_down(self, instance: Instance[StubT]) -> None:
         if instance.healthy:
             log.warning("%s instance %s is down", self.role, instance.address)
         instance.healthy = False
@@ -92,7 +102,7 @@ class BackendSet:
             self.instances[address] = Instance(address, channel, self._make_stub(channel))
         await asyncio.gather(*(self._check(i) for i in list(self.instances.values())))
 
-    async def _check(self, instance: Instance) -> None:
+    async def _check(self, instance: Instance[StubT]) -> None:
         stub = health_pb2_grpc.HealthStub(instance.channel)
         try:
             reply = await stub.Check(
@@ -110,7 +120,7 @@ class BackendSet:
             )
         instance.healthy = healthy
 
-    async def _check_model(self, instance: Instance) -> None:
+    async def _check_model(self, instance: Instance[StubT]) -> None:
         """Asks once which model the instance serves; a different one is never used."""
         try:
             info = await instance.stub.GetModelInfo(
@@ -150,7 +160,7 @@ async def _resolve(target: str) -> set[str]:
     except OSError as exc:
         log.warning("cannot resolve %s: %s", target, exc)
         return set()
-    return {_join(info[4][0], port) for info in infos}
+    return {_join(str(info[4][0]), port) for info in infos}  # AF_INET: (host, port)
 
 
 def _is_ip(host: str) -> bool:

@@ -16,6 +16,7 @@ from pdserve.core.request import GenerateSpec
 from pdserve.rpc import convert
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.router.backends import BackendSet, Instance
 from services.router.errors import RETRYABLE, RouterError
 
@@ -43,14 +44,14 @@ class Inflight:
 class Reservation:
     call: grpc.aio.UnaryStreamCall
     lease: pb.LeaseGranted
-    decode: Instance
+    decode: Instance[pb_grpc.DecodeStub]
     # Set at decode's first token: the KV is committed and decode owns the sequence, so a
     # prefill that fails after this point (before its reply) no longer matters.
     streaming: bool = False
 
 
 class ReservationLine:
-    def __init__(self, decodes: BackendSet, settings: RouterSettings) -> None:
+    def __init__(self, decodes: BackendSet[pb_grpc.DecodeStub], settings: RouterSettings) -> None:
         self._decodes, self._settings = decodes, settings
         self.queued = 0  # requests waiting in line for decode room
         self._head_of_line = asyncio.Lock()  # FIFO: the waiting request allowed to poll
@@ -115,7 +116,9 @@ class ReservationLine:
             f"tokens within {self._settings.queue_timeout_seconds:.1f} s",
         )
 
-    async def _try_reserve(self, decode: Instance, inflight: Inflight) -> Reservation | None:
+    async def _try_reserve(
+        self, decode: Instance[pb_grpc.DecodeStub], inflight: Inflight
+    ) -> Reservation | None:
         spec = inflight.spec
         call = decode.stub.Generate(
             pb.DecodeRequest(

@@ -139,14 +139,17 @@ class RouterServicer(pb_grpc.RouterServicer):
             reservation.call.cancel()
             prefill_call.cancel()
 
-    def _pick_prefill(self, avoid: set[str]) -> Instance:
+    def _pick_prefill(self, avoid: set[str]) -> Instance[pb_grpc.PrefillStub]:
         ordered = self.prefills.ordered(avoid)
         if not ordered:
             raise HandoffFailed("no prefill instance is known", set())
         return ordered[0]
 
     async def _relay(
-        self, reservation: Reservation, prefill_call: asyncio.Future, prefill: Instance
+        self,
+        reservation: Reservation,
+        prefill_call: asyncio.Future,
+        prefill: Instance[pb_grpc.PrefillStub],
     ):
         """Token events, then (finished, prefill reply, first token time) once decode is done."""
         first_token_at = None
@@ -164,7 +167,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                 exc.code(), exc.details(), reservation, prefill_call, prefill
             ) from None
         except asyncio.CancelledError:
-            if not _failed(prefill_call) or asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            assert task is not None  # an async generator's body runs inside a task
+            if not _failed(prefill_call) or task.cancelling():
                 raise  # the client left
             # The prefill's failure cancelled the decode call (see _attempt).
             raise self._failure(
@@ -181,19 +186,24 @@ class RouterServicer(pb_grpc.RouterServicer):
         details: str,
         reservation: Reservation,
         prefill_call: asyncio.Future,
-        prefill: Instance,
+        prefill: Instance[pb_grpc.PrefillStub],
     ) -> RouterError:
         """The most telling error: prefill's when it failed (decode was cancelled for it)."""
-        where, culprit = f"decode {reservation.decode.address}", reservation.decode
-        if _failed(prefill_call) and isinstance(prefill_call.exception(), grpc.aio.AioRpcError):
-            err = prefill_call.exception()
+        decode = reservation.decode
+        where = f"decode {decode.address}"
+        culprit: Instance[pb_grpc.PrefillStub] | Instance[pb_grpc.DecodeStub] = decode
+        err = prefill_call.exception() if _failed(prefill_call) else None
+        if isinstance(err, grpc.aio.AioRpcError):
             code, details, where = err.code(), err.details(), f"prefill {prefill.address}"
             # ABORTED: prefill is fine, its push to decode failed; anything else is prefill's own.
-            culprit = reservation.decode if code == grpc.StatusCode.ABORTED else prefill
+            culprit = decode if code == grpc.StatusCode.ABORTED else prefill
         if code not in RETRYABLE:
             return RouterError(code, f"{where}: {details}")
         if code == grpc.StatusCode.UNAVAILABLE:
-            (self.prefills if culprit is prefill else self.decodes).mark_down(culprit)
+            if culprit is prefill:
+                self.prefills.mark_down(prefill)
+            else:
+                self.decodes.mark_down(decode)
         return HandoffFailed(f"{where}: {code.name}: {details}", {culprit.address})
 
     def _final(
