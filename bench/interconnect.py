@@ -155,7 +155,7 @@ def probe(address: str, lengths: list[int], reps: int) -> list[dict]:
 
     rows = []
     with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.RouterStub(channel)
+        stub = pb_grpc.RouterServiceStub(channel)
         for n in lengths:
             for rep in range(reps + 1):  # the first of each length warms up and is dropped
                 request = pb.GenerateRequest(
@@ -168,9 +168,9 @@ def probe(address: str, lengths: list[int], reps: int) -> list[dict]:
                     rows.append(
                         {
                             "prompt_tokens": n,
-                            "handoff_bytes": m.handoff_bytes,
-                            "handoff_s": m.handoff_seconds,
-                            "exposed_s": m.handoff_exposed_seconds,
+                            "handoff_bytes": m.handoff.bytes,
+                            "handoff_s": m.handoff.seconds,
+                            "exposed_s": m.handoff.exposed_seconds,
                             "ttft_s": m.time_to_first_token_seconds,
                             "prefill_s": m.prefill_seconds,
                         }

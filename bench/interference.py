@@ -108,7 +108,7 @@ def one_run(address: str, w: Workload, loaded: bool, rng: random.Random) -> Run:
             run.long_ttft.append(first - sent)
 
     with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.RouterStub(channel)
+        stub = pb_grpc.RouterServiceStub(channel)
         threads = [
             threading.Thread(target=stream, args=(_prompt(rng, w.stream_prompt),))
             for _ in range(w.streams)

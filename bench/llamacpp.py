@@ -69,7 +69,7 @@ def run_pdserve(address: str, texts: list[str], tokens: int) -> tuple[Timings, f
                 prompt=text, sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True)
             )
             sent, arrivals = time.perf_counter(), []
-            for response in pb_grpc.RouterStub(channel).Generate(request, timeout=600):
+            for response in pb_grpc.RouterServiceStub(channel).Generate(request, timeout=600):
                 arrivals.append((time.perf_counter(), len(response.token_ids)))
             timings.add(sent, arrivals)
 

@@ -99,7 +99,7 @@ def run(args) -> dict:
         target=kill_and_restart, args=(victim, tmp_dir, args, stop, events), daemon=True
     )
     channel = grpc.insecure_channel(router.address)
-    stub = pb_grpc.RouterStub(channel)
+    stub = pb_grpc.RouterServiceStub(channel)
     rng = random.Random(args.seed)
     start = time.monotonic()
     try:
@@ -155,7 +155,7 @@ def leaked_blocks(decodes) -> int:
         total = 0
         for decode in [d for d in decodes if d.proc.poll() is None]:
             with grpc.insecure_channel(decode.address) as ch:
-                s = pb_grpc.DecodeStub(ch).GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+                s = pb_grpc.DecodeServiceStub(ch).GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
                 total += s.total_blocks - s.free_blocks
         return total
 

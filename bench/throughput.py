@@ -49,7 +49,7 @@ def served(address: str, batch: int, tokens: int, rng: random.Random) -> float:
         )
         times = []
         with grpc.insecure_channel(address) as channel:
-            for response in pb_grpc.RouterStub(channel).Generate(request, timeout=600):
+            for response in pb_grpc.RouterServiceStub(channel).Generate(request, timeout=600):
                 times += [time.perf_counter()] * len(response.token_ids)
         with lock:
             firsts.append(times[0])

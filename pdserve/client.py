@@ -66,7 +66,7 @@ def request_from_args(args) -> pb.GenerateRequest:
 
 def run_generate(args) -> int:
     with grpc.insecure_channel(args.address) as channel:
-        stub = pb_grpc.RouterStub(channel)
+        stub = pb_grpc.RouterServiceStub(channel)
         try:
             for response in stub.Generate(request_from_args(args), timeout=args.timeout):
                 sys.stdout.write(printable(response.text))
@@ -91,8 +91,8 @@ def _print_summary(last: pb.GenerateResponse) -> None:
         f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}] "
         f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} generated tokens; "
         f"TTFT {m.time_to_first_token_seconds * 1e3:.1f} ms, "
-        f"total {m.end_to_end_seconds * 1e3:.1f} ms; handoff {m.handoff_bytes / 1024:.0f} KiB "
-        f"in {m.handoff_seconds * 1e3:.2f} ms; prefill {m.prefill_instance}, "
+        f"total {m.end_to_end_seconds * 1e3:.1f} ms; handoff {m.handoff.bytes / 1024:.0f} KiB "
+        f"in {m.handoff.seconds * 1e3:.2f} ms over {m.handoff.transport}; prefill {m.prefill_instance}, "
         f"decode {m.decode_instance}",
         file=sys.stderr,
     )

@@ -55,9 +55,8 @@ class Faults:
             log.warning("FAULT INJECTION ENABLED: %s", faults)
         return faults
 
-    async def before_chunk(self, chunk) -> None:
-        """Prefill side, before chunk `chunk.index` goes out (chunk: a protobuf KvChunk)."""
-        index = chunk.index
+    async def before_chunk(self, index: int) -> None:
+        """Prefill side, before chunk `index` goes out, whatever the transport."""
         if index == self.crash_after_chunks:
             log.error("fault: prefill exits before chunk %d", index)
             os._exit(CRASH_EXIT_CODE)
@@ -66,9 +65,10 @@ class Faults:
             await asyncio.sleep(self.stall_seconds)
         if index == self.drop_after_chunks:
             raise InjectedFault(f"fault: KV stream dropped before chunk {index}")
-        if index == self.corrupt_chunk:
-            data = chunk.data
-            chunk.data = bytes([data[0] ^ 0xFF]) + data[1:]
+
+    def corrupts(self, index: int) -> bool:
+        """Prefill side: whether chunk `index` goes out with a byte flipped after its CRC."""
+        return index == self.corrupt_chunk
 
     def after_chunk_received(self, count: int) -> None:
         if count == self.decode_crash_after_chunks:

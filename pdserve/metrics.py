@@ -75,6 +75,11 @@ REQUESTS = Counter(
     "pdserve_requests_total", "Requests by outcome and gRPC status", ["service", "outcome", "code"]
 )
 TOKENS = Counter("pdserve_tokens_total", "Tokens processed", ["service", "kind"])
+KV_TRANSFERS = Counter(
+    "pdserve_kv_transfers_total",
+    "Committed KV handoffs by the transport that carried them (tcp, grpc, inproc)",
+    ["service", "transport"],
+)
 QUEUE_DEPTH = Gauge(
     "pdserve_queue_depth",
     "Requests waiting (router: for decode room; prefill: for a batch)",

@@ -84,6 +84,9 @@ class CommonSettings:
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
 
 
+KV_TRANSPORTS = ("auto", "tcp", "grpc")
+
+
 @dataclass(frozen=True)
 class DecodeSettings:
     TITLE: ClassVar[str] = "decode pool"
@@ -93,9 +96,16 @@ class DecodeSettings:
     block_size: int = setting(16, "tokens per KV block")
     max_batch: int = setting(64, "sequences decoded together per step", flag="max-decode-batch")
     lease_ttl_seconds: float = setting(30.0, "an uncommitted reservation expires after this long")
+    kv_data_port: int = setting(
+        0,
+        "port of the TCP data plane that receives KV, offered with every lease; 0: any free "
+        "port, -1: no data plane (KV over DecodeService.PushKv only)",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "num_blocks", "block_size", "max_batch", "lease_ttl_seconds")
+        if not -1 <= self.kv_data_port <= 65535:
+            raise ValueError(f"--kv-data-port {self.kv_data_port}: expected -1, 0 or a port")
 
 
 @dataclass(frozen=True)
@@ -107,11 +117,22 @@ class PrefillSettings:
     max_batch_tokens: int = setting(
         4096, "prompt tokens per prefill batch", flag="max-prefill-tokens"
     )
-    # 1 MiB: gRPC streams move these ~5x faster than 64 KiB pieces (measured on a 2-vCPU VM, grpcio 1.85, 2026-11-30).
-    chunk_bytes: int = setting(1 << 20, "largest KV chunk sent to decode")
+    # 1 MiB: gRPC streams moved these ~5x faster than 64 KiB pieces (2-vCPU VM, grpcio 1.85).
+    chunk_bytes: int = setting(1 << 20, "largest KV chunk sent to decode (at most 4 MiB)")
+    kv_transport: str = setting(
+        "auto",
+        "how KV goes to decode: auto (the lease's TCP data plane when decode offers one, else "
+        "gRPC), tcp (the data plane, or the request fails), grpc (DecodeService.PushKv)",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size", "max_batch_tokens", "chunk_bytes")
+        if self.chunk_bytes > 4 << 20:  # gRPC messages are capped at 8 MiB (rpc/server.py)
+            raise ValueError(f"--chunk-bytes {self.chunk_bytes}: at most {4 << 20}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"--kv-transport {self.kv_transport!r}: expected one of {', '.join(KV_TRANSPORTS)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ address, count, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompts = ["The quick brown fox", "Disaggregated prefill and decode " * 4, "hello"]
 with grpc.insecure_channel(address) as channel:
     grpc.channel_ready_future(channel).result(timeout=30)
-    stub = pb_grpc.RouterStub(channel)
+    stub = pb_grpc.RouterServiceStub(channel)
     for i in range(count):
         prompt = prompts[i % len(prompts)]
         request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
@@ -221,13 +221,16 @@ with grpc.insecure_channel(address) as channel:
         if last.usage.prompt_tokens < len(prompt.encode()) // 2:
             problems.append(f"prompt_tokens {last.usage.prompt_tokens} for {len(prompt)} chars")
         m = last.metrics
-        if not m.decode_instance or not m.prefill_instance or m.handoff_bytes <= 0:
+        if not m.decode_instance or not m.prefill_instance or m.handoff.bytes <= 0:
             problems.append(f"metrics incomplete: {m}")
+        if m.handoff.transport != "tcp":  # decode's data plane, container to container
+            problems.append(f"KV went over {m.handoff.transport!r}, not the TCP data plane")
         print(json.dumps({"prompt": prompt, "tokens": len(tokens), "text": text,
                           "prompt_tokens": last.usage.prompt_tokens,
                           "decode": m.decode_instance, "prefill": m.prefill_instance,
-                          "handoff_bytes": m.handoff_bytes,
-                          "handoff_ms": round(m.handoff_seconds * 1e3, 3),
+                          "handoff_bytes": m.handoff.bytes,
+                          "handoff_ms": round(m.handoff.seconds * 1e3, 3),
+                          "transport": m.handoff.transport,
                           "ttft_ms": round(m.time_to_first_token_seconds * 1e3, 1),
                           "problems": problems}))
         sys.stdout.flush()
@@ -241,7 +244,7 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 for r in rows:
     print(f"  {r['prompt_tokens']:3d} prompt + {r['tokens']} tokens, handoff "
-          f"{r['handoff_bytes'] / 1024:.0f} KiB in {r['handoff_ms']} ms, TTFT {r['ttft_ms']} ms, "
+          f"{r['handoff_bytes'] / 1024:.0f} KiB in {r['handoff_ms']} ms over {r['transport']}, TTFT {r['ttft_ms']} ms, "
           f"{r['prefill']} -> {r['decode']}")
 EOF
 # Smoke check of the CLI a user would run, through the same published port.

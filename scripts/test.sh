@@ -14,4 +14,5 @@ fi
 .venv/bin/ruff check pdserve services tests bench
 .venv/bin/ruff format --check pdserve services tests bench
 .venv/bin/mypy  # paths and strictness: [tool.mypy] in pyproject.toml
+bash scripts/buf_lint.sh
 exec .venv/bin/python -m pytest -q "$@"

@@ -31,14 +31,17 @@ class Stack:
             self.channels[address] = grpc.insecure_channel(address)
         return self.channels[address]
 
-    def router_stub(self) -> pb_grpc.RouterStub:
-        return pb_grpc.RouterStub(self._channel(self.router.address))
+    def router_stub(self) -> pb_grpc.RouterServiceStub:
+        return pb_grpc.RouterServiceStub(self.router_channel())
 
-    def decode_stub(self, i: int = 0) -> pb_grpc.DecodeStub:
-        return pb_grpc.DecodeStub(self._channel(self.decodes[i].address))
+    def router_channel(self) -> grpc.Channel:
+        return self._channel(self.router.address)
 
-    def pool_stats(self, i: int = 0) -> pb.PoolStats:
-        return self.decode_stub(i).GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+    def decode_stub(self, i: int = 0) -> pb_grpc.DecodeServiceStub:
+        return pb_grpc.DecodeServiceStub(self._channel(self.decodes[i].address))
+
+    def pool_stats(self, i: int = 0) -> pb.GetPoolStatsResponse:
+        return self.decode_stub(i).GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
 
     def pools_settled(self) -> bool:
         """Every live decode instance has all its blocks free and holds nothing."""
@@ -85,7 +88,7 @@ def start_stack(
     return Stack(router, [prefill], decode_services)
 
 
-def generate(stub: pb_grpc.RouterStub, request: pb.GenerateRequest, timeout: float = 60.0):
+def generate(stub: pb_grpc.RouterServiceStub, request: pb.GenerateRequest, timeout: float = 60.0):
     """Sends one request; returns (all token ids, all text, the last response)."""
     tokens, text, last = [], [], None
     for response in stub.Generate(request, timeout=timeout):

@@ -318,7 +318,7 @@ def test_conditions_without_model_info_say_unknown():
 
 
 def test_fetch_model_info_reports_or_explains():
-    """Against a Router that answers GetModelInfo, and one that leaves it unimplemented."""
+    """Against a server whose ModelInfoService answers, and one that leaves it unimplemented."""
     import asyncio
 
     import grpc
@@ -327,13 +327,15 @@ def test_fetch_model_info_reports_or_explains():
     from pdserve.v1 import pdserve_pb2 as pb
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-    class Answers(pb_grpc.RouterServicer):
+    class Answers(pb_grpc.ModelInfoServiceServicer):
         async def GetModelInfo(self, request, context):
-            return pb.ModelInfo(name="tinygpt", architecture="TinyGPT", kv_bytes_per_token=12288)
+            return pb.GetModelInfoResponse(
+                model=pb.ModelInfo(name="tinygpt", architecture="TinyGPT", kv_bytes_per_token=12288)
+            )
 
     async def ask(servicer) -> tuple:
         server = grpc.aio.server()
-        pb_grpc.add_RouterServicer_to_server(servicer, server)
+        pb_grpc.add_ModelInfoServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -343,7 +345,7 @@ def test_fetch_model_info_reports_or_explains():
 
     info, why = asyncio.run(ask(Answers()))
     assert why == "" and info["name"] == "tinygpt" and info["kv_bytes_per_token"] == 12288
-    info, why = asyncio.run(ask(pb_grpc.RouterServicer()))  # the generated base: UNIMPLEMENTED
+    info, why = asyncio.run(ask(pb_grpc.ModelInfoServiceServicer()))  # the base: UNIMPLEMENTED
     assert info is None and "does not implement GetModelInfo" in why
 
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from pdserve.core import kv_wire
+from pdserve.kv import wire as kv_wire
 from pdserve.core.block_pool import BlockPool, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.core.output_text import OutputText
@@ -126,12 +126,11 @@ def test_sampled_frequencies_follow_the_definition(temperature, top_k, top_p, al
 
 def test_kv_chunks_round_trip_and_reject_damage():
     k, v = torch.randn(40, CONFIG.kv_heads, CONFIG.head_dim), torch.randn(40, 4, 64)
-    pieces = kv_wire.encode_layer(k, v, tokens_per=16)
-    assert [(a, b) for a, b, _ in pieces] == [(0, 16), (16, 32), (32, 40)]
-    start, end, payload = pieces[1]
-    header = kv_wire.ChunkHeader(
-        1, 2, start, end, "float32", (2, 16, 4, 64), kv_wire.crc32(payload)
-    )
+    pieces = kv_wire.split_layer(k, v, tokens_per=16)
+    assert [(p.token_start, p.token_end) for p in pieces] == [(0, 16), (16, 32), (32, 40)]
+    start, end, payload = pieces[1].token_start, pieces[1].token_end, pieces[1].payload()
+    assert pieces[1].crc32 == kv_wire.crc32(payload)  # the CRC of the parts is the payload's
+    header = kv_wire.ChunkHeader(1, 2, start, end, "float32", (2, 16, 4, 64), pieces[1].crc32)
     k2, v2 = kv_wire.decode_chunk(header, payload, CONFIG, prompt_len=40)
     assert torch.equal(k2, k[16:32]) and torch.equal(v2, v[16:32])
     damaged = bytes([payload[0] ^ 1]) + payload[1:]

@@ -49,7 +49,7 @@ def test_disaggregated_matches_reference(stack, concurrent):
 @pytest.mark.parametrize("concurrent", [False, True], ids=["one-at-a-time", "concurrent"])
 def test_colocated_matches_reference(colocated, concurrent):
     with grpc.insecure_channel(colocated.address) as channel:
-        assert_matches_reference(run_all(pb_grpc.RouterStub(channel), concurrent))
+        assert_matches_reference(run_all(pb_grpc.RouterServiceStub(channel), concurrent))
 
 
 @pytest.mark.parametrize("chunk_tokens", ["0", "48"], ids=["plain-loop", "48-token-chunks"])
@@ -66,7 +66,7 @@ def test_colocated_schedules_match_reference(tmp_path, chunk_tokens):
     )
     try:
         with grpc.insecure_channel(service.address) as channel:
-            assert_matches_reference(run_all(pb_grpc.RouterStub(channel), concurrent=True))
+            assert_matches_reference(run_all(pb_grpc.RouterServiceStub(channel), concurrent=True))
     finally:
         service.stop()
 

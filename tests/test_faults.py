@@ -275,7 +275,7 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
     decode = services("decode")
     prefill = services("prefill", faults="prefill_engine_crash_at_step=1")
     with grpc.insecure_channel(decode.address) as d, grpc.insecure_channel(prefill.address) as p:
-        lease_call = pb_grpc.DecodeStub(d).Generate(
+        lease_call = pb_grpc.DecodeServiceStub(d).Decode(
             pb.DecodeRequest(
                 request_id="r",
                 prompt_token_ids=[1, 2, 3],
@@ -295,14 +295,18 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
         )
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.PrefillStub(p).Prefill(request, timeout=30)
+            pb_grpc.PrefillServiceStub(p).Prefill(request, timeout=30)
         assert time.monotonic() - started < 1.0
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "prefill engine loop fails" in err.value.details()
         wait_until(lambda: not check_health(prefill.address, 1.0), 5, "prefill to say NOT_SERVING")
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.PrefillStub(p).Prefill(request, timeout=5)
+            pb_grpc.PrefillServiceStub(p).Prefill(request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         lease_call.cancel()
-        stats = lambda: pb_grpc.DecodeStub(d).GetPoolStats(pb.PoolStatsRequest(), timeout=5)  # noqa: E731
+        decode_stub = pb_grpc.DecodeServiceStub(d)
+
+        def stats():
+            return decode_stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
+
         wait_until(lambda: stats().free_blocks == stats().total_blocks, 10, "decode's blocks")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.tools import handoff_table as ht
-from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.rpc import model_info
 from procs import generate, greedy_request, start_stack
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,9 +242,9 @@ def test_smollm2_row_matches_a_real_handoff(tmp_path, capsys):
     try:
         prompt = list(range(1000, 1000 + n))  # ordinary vocabulary ids, no special tokens
         tokens, _, last = generate(stack.router_stub(), greedy_request(prompt, 2), timeout=60)
-        info = stack.router_stub().GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+        info = model_info.fetch_blocking(stack.router_channel(), timeout=10)
     finally:
         stack.stop()
     assert len(tokens) == 2 and last.usage.prompt_tokens == n
     assert info.name == SMOLLM2 and info.kv_bytes_per_token == per_token
-    assert last.metrics.handoff_bytes == n * per_token == per_request
+    assert last.metrics.handoff.bytes == n * per_token == per_request

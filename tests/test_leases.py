@@ -8,7 +8,7 @@ import pytest
 
 from procs import start_service, wait_until
 from reference import model
-from pdserve.core import kv_wire
+from pdserve.kv import wire as kv_wire
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -23,7 +23,7 @@ def decode(tmp_path_factory):
         "decode", "--torch-threads", "1", tmp_dir=str(tmp_path_factory.mktemp("decode"))
     )
     channel = grpc.insecure_channel(service.address)
-    yield pb_grpc.DecodeStub(channel)
+    yield pb_grpc.DecodeServiceStub(channel)
     channel.close()
     service.stop(signal.SIGKILL)
 
@@ -38,12 +38,12 @@ def pool_returns(decode):
     )
 
 
-def _stats(stub) -> pb.PoolStats:
-    return stub.GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+def _stats(stub) -> pb.GetPoolStatsResponse:
+    return stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
 
 
 def reserve(stub, request_id="r1", ttl=0.0, max_tokens=4):
-    call = stub.Generate(
+    call = stub.Decode(
         pb.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=PROMPT,
@@ -58,32 +58,33 @@ def reserve(stub, request_id="r1", ttl=0.0, max_tokens=4):
 
 def kv_pushes(
     lease_id: str, request_id: str = "r1", first_token: int = 3, prompt=PROMPT
-) -> list[pb.KvPush]:
+) -> list[pb.PushKvRequest]:
     """A valid KV stream for PROMPT, computed by the model here, ending with its commit."""
     layers = []
     model().prefill_packed([prompt], lambda layer, k, v: layers.append((layer, k, v)))
     pushes, crcs = [], []
     for layer, k, v in layers:
-        for start, end, payload in kv_wire.encode_layer(k, v, tokens_per=32):
-            crcs.append(kv_wire.crc32(payload))
+        for piece in kv_wire.split_layer(k, v, tokens_per=32):
+            start, end = piece.token_start, piece.token_end
+            crcs.append(piece.crc32)
             pushes.append(
-                pb.KvPush(
+                pb.PushKvRequest(
+                    data=piece.payload(),
                     chunk=pb.KvChunk(
                         lease_id=lease_id,
                         index=len(crcs) - 1,
                         layer=layer,
                         token_start=start,
                         token_end=end,
-                        dtype=pb.DTYPE_FLOAT32,
+                        dtype=pb.D_TYPE_FLOAT32,
                         shape=[2, end - start, 4, 64],
-                        data=payload,
                         crc32=crcs[-1],
                         model_fingerprint=MODEL,
-                    )
+                    ),
                 )
             )
     pushes.append(
-        pb.KvPush(
+        pb.PushKvRequest(
             commit=pb.KvCommit(
                 lease_id=lease_id,
                 first_token_id=first_token,
@@ -128,7 +129,7 @@ def test_commit_is_idempotent_and_a_conflicting_one_is_refused(decode):
     assert push(decode, pushes).newly_committed
     again = push(decode, [pushes[-1]])
     assert not again.newly_committed and again.bytes == 2 * 6 * 4 * 64 * len(PROMPT) * 4
-    conflicting = pb.KvPush(
+    conflicting = pb.PushKvRequest(
         commit=pb.KvCommit(
             lease_id=lease.lease_id,
             first_token_id=4,
@@ -169,7 +170,7 @@ def test_a_commit_for_another_request_is_refused(decode):
     "damage, words",
     [
         (lambda c: setattr(c, "index", 5), "expected chunk 0"),
-        (lambda c: setattr(c, "dtype", pb.DTYPE_FLOAT16), "dtype"),
+        (lambda c: setattr(c, "dtype", pb.D_TYPE_FLOAT16), "dtype"),
         (lambda c: c.shape.__setitem__(2, 8), "shape"),
         (lambda c: setattr(c, "token_end", 999), "outside"),
         (lambda c: setattr(c, "crc32", c.crc32 ^ 1), "CRC"),
@@ -197,7 +198,7 @@ def test_a_stream_that_ends_before_its_commit_voids_the_lease(decode):
 
 def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
     def big():
-        call = decode.Generate(
+        call = decode.Decode(
             pb.DecodeRequest(
                 request_id="big",
                 prompt_token_ids=[1] * 4000,

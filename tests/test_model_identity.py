@@ -10,6 +10,7 @@ import pytest
 
 from procs import generate, greedy_request, start_service, wait_until
 from pdserve.models.loading import load_served_model
+from pdserve.rpc import model_info
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -33,7 +34,7 @@ def mismatched(tmp_path_factory):
 def test_router_refuses_a_decode_that_serves_another_model(mismatched):
     router, _, decode = mismatched
     with grpc.insecure_channel(router.address) as channel:
-        stub = pb_grpc.RouterStub(channel)
+        stub = pb_grpc.RouterServiceStub(channel)
 
         def refused():
             try:
@@ -53,7 +54,7 @@ def test_router_refuses_a_decode_that_serves_another_model(mismatched):
 def test_decode_refuses_a_lease_and_kv_of_another_model(mismatched):
     _, _, decode = mismatched
     with grpc.insecure_channel(decode.address) as channel:
-        stub = pb_grpc.DecodeStub(channel)
+        stub = pb_grpc.DecodeServiceStub(channel)
         request = pb.DecodeRequest(
             request_id="x",
             prompt_token_ids=[1, 2],
@@ -61,14 +62,14 @@ def test_decode_refuses_a_lease_and_kv_of_another_model(mismatched):
             model_fingerprint="0123456789abcdef",
         )
         with pytest.raises(grpc.RpcError) as err:
-            next(stub.Generate(request, timeout=5))
+            next(stub.Decode(request, timeout=5))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "0123456789abcdef" in err.value.details()
-        info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+        info = model_info.fetch_blocking(channel, timeout=5)
         assert info.dtype == "bfloat16" and info.name == "tinygpt"
         # A lease for the right model, then a chunk that names another.
         request.model_fingerprint = info.fingerprint
-        call = stub.Generate(request, timeout=10)
+        call = stub.Decode(request, timeout=10)
         lease = next(call).lease
         chunk = pb.KvChunk(
             lease_id=lease.lease_id,
@@ -76,13 +77,12 @@ def test_decode_refuses_a_lease_and_kv_of_another_model(mismatched):
             layer=0,
             token_start=0,
             token_end=2,
-            dtype=pb.DTYPE_BFLOAT16,
+            dtype=pb.D_TYPE_BFLOAT16,
             shape=[2, 2, 4, 64],
-            data=bytes(2048),
             model_fingerprint="0123456789abcdef",
         )
         with pytest.raises(grpc.RpcError) as err:
-            stub.PushKv(iter([pb.KvPush(chunk=chunk)]), timeout=5)
+            stub.PushKv(iter([pb.PushKvRequest(chunk=chunk, data=bytes(2048))]), timeout=5)
         assert "0123456789abcdef" in err.value.details()
         call.cancel()
         wait_until(lambda: _settled(stub), 10, "decode's pool to be whole again")
@@ -92,7 +92,7 @@ def test_prefill_refuses_a_request_for_another_model(mismatched):
     _, prefill, _ = mismatched
     with grpc.insecure_channel(prefill.address) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.PrefillStub(channel).Prefill(
+            pb_grpc.PrefillServiceStub(channel).Prefill(
                 pb.PrefillRequest(
                     request_id="x",
                     prompt_token_ids=[1],
@@ -108,7 +108,7 @@ def test_prefill_refuses_a_request_for_another_model(mismatched):
 
 
 def _settled(stub) -> bool:
-    stats = stub.GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+    stats = stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
     return stats.free_blocks == stats.total_blocks and stats.pending_leases == 0
 
 
@@ -122,7 +122,7 @@ def test_half_precision_kv_moves_half_the_bytes(tmp_path, dtype, size):
         tokens, _, last = generate(stack.router_stub(), greedy_request(list(range(40)), 8))
         config = load_served_model("tinygpt", dtype, weights=False).config
         assert len(tokens) == 8
-        assert last.metrics.handoff_bytes == 40 * config.kv_bytes_per_token
+        assert last.metrics.handoff.bytes == 40 * config.kv_bytes_per_token
         assert config.kv_bytes_per_token == 2 * 6 * 4 * 64 * size
     finally:
         stack.stop()

@@ -131,7 +131,7 @@ def test_greedy_generation_equals_transformers_disaggregated_and_colocated(
     colocated = start_service("colocated", *model, "--torch-threads", "1", tmp_dir=str(tmp_path))
     try:
         with grpc.insecure_channel(colocated.address) as channel:
-            for stub in (stack.router_stub(), pb_grpc.RouterStub(channel)):
+            for stub in (stack.router_stub(), pb_grpc.RouterServiceStub(channel)):
                 alone = [_greedy(stub, p) for p in prompts()[:2]]
                 with ThreadPoolExecutor(len(PROMPT_LENGTHS)) as pool:  # one mixed-length batch
                     batched = list(pool.map(lambda p: _greedy(stub, p), prompts()))

@@ -30,7 +30,7 @@ def test_64_concurrent_mixed_requests_all_finish(stack):
         assert n == max_tokens
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == max_tokens
-        assert last.metrics.handoff_bytes > 0
+        assert last.metrics.handoff.bytes > 0
 
 
 def test_final_response_reports_usage_and_handoff(stack):
@@ -38,7 +38,7 @@ def test_final_response_reports_usage_and_handoff(stack):
     _, _, last = generate(stack.router_stub(), greedy_request(prompt, 5))
     assert last.usage.prompt_tokens == len(prompt)
     # KV bytes = 2 x layers x heads x head_dim x tokens x 4 bytes (fp32).
-    assert last.metrics.handoff_bytes == 2 * 6 * 4 * 64 * len(prompt) * 4
+    assert last.metrics.handoff.bytes == 2 * 6 * 4 * 64 * len(prompt) * 4
     assert last.metrics.time_to_first_token_seconds > 0
     assert last.metrics.end_to_end_seconds >= last.metrics.time_to_first_token_seconds
     assert last.metrics.prefill_instance.startswith("prefill@")
@@ -56,7 +56,7 @@ def sampled(seed: int, prompt: str = "The same seed, the same tokens") -> pb.Gen
 
 def test_seeded_sampling_is_identical_across_paths(stack, colocated):
     with grpc.insecure_channel(colocated.address) as channel:
-        colocated_stub = pb_grpc.RouterStub(channel)
+        colocated_stub = pb_grpc.RouterServiceStub(channel)
         for seed in (1, 2, 3):
             disaggregated, _, _ = generate(stack.router_stub(), sampled(seed))
             again, _, _ = generate(stack.router_stub(), sampled(seed))
@@ -134,7 +134,7 @@ BAD_REQUESTS = {
 def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, colocated, case):
     request, words = BAD_REQUESTS[case]
     with grpc.insecure_channel(colocated.address) as channel:
-        for stub in (stack.router_stub(), pb_grpc.RouterStub(channel)):
+        for stub in (stack.router_stub(), pb_grpc.RouterServiceStub(channel)):
             with pytest.raises(grpc.RpcError) as err:
                 generate(stub, request, timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

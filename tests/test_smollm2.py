@@ -12,6 +12,7 @@ import torch
 from procs import generate, start_service, start_stack
 from pdserve.models.gguf_import import SMOLLM2_NAME
 from pdserve.models.loading import load_served_model
+from pdserve.rpc import model_info
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -62,7 +63,7 @@ def test_greedy_continuations_equal_transformers_token_for_token(served, referen
             tokens, text, last = generate(stack.router_stub(), request, timeout=120)
             assert tokens == expected, f"{prompt!r}: {text!r}"
             assert last.usage.prompt_tokens == len(ids)
-            assert last.metrics.handoff_bytes == len(ids) * served.config.kv_bytes_per_token
+            assert last.metrics.handoff.bytes == len(ids) * served.config.kv_bytes_per_token
     finally:
         stack.stop()
 
@@ -73,8 +74,8 @@ def test_a_chat_question_gets_a_sensible_answer_in_bfloat16(tmp_path):
     )
     try:
         with grpc.insecure_channel(colocated.address) as channel:
-            stub = pb_grpc.RouterStub(channel)
-            info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+            stub = pb_grpc.RouterServiceStub(channel)
+            info = model_info.fetch_blocking(channel, timeout=5)
             assert (info.dtype, info.num_layers, info.num_kv_heads, info.head_dim) == (
                 "bfloat16",
                 30,

@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.bench.stats import RequestResult
 from pdserve.bench.workload import BenchRequest, WorkloadSpec, iter_requests
+from pdserve.rpc import model_info
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -170,9 +171,10 @@ def _server_view(last: pb.GenerateResponse) -> dict:
         "completion_tokens": last.usage.completion_tokens,
         "time_to_first_token_seconds": m.time_to_first_token_seconds,
         "end_to_end_seconds": m.end_to_end_seconds,
-        "handoff_bytes": m.handoff_bytes,
-        "handoff_seconds": m.handoff_seconds,
-        "handoff_exposed_seconds": m.handoff_exposed_seconds,
+        "handoff_bytes": m.handoff.bytes,
+        "handoff_seconds": m.handoff.seconds,
+        "handoff_exposed_seconds": m.handoff.exposed_seconds,
+        "handoff_transport": m.handoff.transport,
         "prefill_seconds": m.prefill_seconds,
         "queue_seconds": m.queue_seconds,
         "prefill_instance": m.prefill_instance,
@@ -182,7 +184,7 @@ def _server_view(last: pb.GenerateResponse) -> dict:
 
 
 async def send_one(
-    stub: pb_grpc.RouterStub,
+    stub: pb_grpc.RouterServiceStub,
     request: BenchRequest,
     request_id: str,
     options: RunOptions,
@@ -243,9 +245,7 @@ async def fetch_model_info(
     """
     async with grpc.aio.insecure_channel(address) as channel:
         try:
-            info = await pb_grpc.RouterStub(channel).GetModelInfo(
-                pb.ModelInfoRequest(), timeout=timeout, wait_for_ready=True
-            )
+            info = await model_info.fetch(channel, timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None, f"the target at {address} does not implement GetModelInfo"
@@ -277,7 +277,7 @@ async def run_rate(
     tag = f"bench-s{spec.seed}-r{spec.rate:g}"
     async with grpc.aio.insecure_channel(options.address) as channel:
         await _connect(channel, options.address)
-        stub = pb_grpc.RouterStub(channel)
+        stub = pb_grpc.RouterServiceStub(channel)
         notes = []
         for request in list(_take(spec, options.warmup, None)):
             warm = await send_one(

@@ -12,7 +12,7 @@ from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.core.sequence import FinishReason
 from pdserve.models.loading import ServedModel
-from pdserve.rpc import convert
+from pdserve.rpc import convert, model_info
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -33,7 +33,7 @@ MAX_BACKOFF_SECONDS = 0.1
 QUEUE_TIMEOUT_SECONDS = 30.0
 
 
-class ColocatedServicer(pb_grpc.RouterServicer):
+class ColocatedServicer(pb_grpc.RouterServiceServicer):
     def __init__(self, served: ServedModel, settings: ColocatedSettings, instance: str) -> None:
         self.served, self.config, self.instance = served, served.config, instance
         self.engine = ColocatedEngine(served, settings)
@@ -87,9 +87,6 @@ class ColocatedServicer(pb_grpc.RouterServicer):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
-    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return convert.model_info_to_pb(self.served)
-
     def _finish(
         self,
         response: pb.GenerateResponse,
@@ -140,7 +137,8 @@ async def serve(served: ServedModel, settings: ColocatedSettings) -> None:
         settings.decode.num_blocks,
         lambda: servicer.engine.decode.size,
     )
-    pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
+    pb_grpc.add_RouterServiceServicer_to_server(servicer, server.grpc)
+    model_info.add_to_server(served, server.grpc)
     servicer.engine.loop.start()
 
     async def on_stop() -> None:

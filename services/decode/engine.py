@@ -11,7 +11,7 @@ from pdserve.core.paged_cache import PagedCache
 from pdserve.core.sequence import Sequence
 from pdserve.models.loading import ServedModel
 from pdserve.settings import DecodeSettings
-from services.decode.leases import Lease
+from pdserve.kv.leases import Lease
 
 log = logging.getLogger(__name__)
 

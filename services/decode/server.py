@@ -1,4 +1,4 @@
-"""The Decode gRPC service: leases, the KV push stream and the token stream.
+"""The decode service: leases, the KV they receive (over gRPC or the data plane), the tokens.
 
 All lease bookkeeping happens on the event loop thread; the engine thread only decodes.
 """
@@ -11,10 +11,13 @@ import grpc
 
 from pdserve import metrics
 from pdserve.core.block_pool import NeverFits, PoolExhausted
-from pdserve.core.kv_wire import ChunkHeader, KvRejected, decode_chunk, prompt_digest
 from pdserve.core.request import InvalidRequest, validate
+from pdserve.kv.grpc_transport import push_kv_handler
+from pdserve.kv.leases import Lease, LeaseState, LeaseTable
+from pdserve.kv.receiver import KvReceiver
+from pdserve.kv.tcp_transport import DataPlaneServer
 from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
-from pdserve.rpc import convert
+from pdserve.rpc import convert, model_info
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -25,31 +28,32 @@ from pdserve.rpc.server import (
 )
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from services.decode.engine import DecodeEngine
-from services.decode.leases import Lease, LeaseRejected, LeaseState, LeaseTable
 
 log = logging.getLogger(__name__)
 
-DTYPE_FROM_PB = {
-    pb.DTYPE_FLOAT32: "float32",
-    pb.DTYPE_FLOAT16: "float16",
-    pb.DTYPE_BFLOAT16: "bfloat16",
-}
 EXPIRY_CHECK_SECONDS = 0.1
 
 
-class DecodeServicer(pb_grpc.DecodeServicer):
+class DecodeServicer:
     def __init__(self, served: ServedModel, settings: DecodeSettings, instance: str) -> None:
         self.served, self.config = served, served.config
         self.settings, self.instance = settings, instance
         self.engine = DecodeEngine(served, settings)
         self.leases = LeaseTable(self.engine.pool, self.config)
+        self.receiver = KvReceiver(
+            self.leases,
+            self.engine.cache.write,
+            self.config,
+            served.fingerprint,
+            self._committed,
+            settings.common.faults,
+        )
         self.admission = Admission()
-        self.chunks_received = 0
+        self.data_endpoints: list[pb.DataEndpoint] = []  # offered with every lease
 
     @admitted
-    async def Generate(self, request: pb.DecodeRequest, context):
+    async def Decode(self, request: pb.DecodeRequest, context):
         try:
             check_same_model(self.served, request.model_fingerprint, "the lease request")
             spec = validate(
@@ -83,12 +87,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             lease.table.capacity_blocks,
         )
         try:
-            yield pb.DecodeEvent(
+            yield pb.DecodeResponse(
                 lease=pb.LeaseGranted(
                     lease_id=lease.lease_id,
                     blocks=lease.table.capacity_blocks,
                     instance=self.instance,
                     expires_at_unix=time.time() + ttl,
+                    data_endpoints=self.data_endpoints,
                 )
             )
             async for event in self._events(lease, events, context):
@@ -104,11 +109,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.ABORTED, emission.error)
             tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
             if emission.finish_reason is None:
-                yield pb.DecodeEvent(tokens=tokens)
+                yield pb.DecodeResponse(tokens=tokens)
             else:
                 seq = lease.sequence
                 metrics.REQUESTS.labels("decode", "ok", "OK").inc()
-                yield pb.DecodeEvent(
+                yield pb.DecodeResponse(
                     finished=pb.DecodeFinished(
                         last=tokens,
                         finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
@@ -130,105 +135,33 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self.leases.void(lease, "request ended before its KV was committed")
         self.leases.forget(lease)
 
-    async def PushKv(self, request_iterator, context) -> pb.PushKvReply:
-        lease = None
-        try:
-            async for push in request_iterator:
-                if push.HasField("chunk"):
-                    lease = self._stream_lease(push.chunk.lease_id, lease)
-                    self._accept_chunk(push.chunk, lease)
-                elif push.HasField("commit"):
-                    return self._commit(push.commit, lease)
-                else:
-                    raise KvRejected("a KV push with neither chunk nor commit")
-            raise KvRejected("KV stream ended without a commit")
-        except KvRejected as exc:
-            if lease is not None:
-                self.leases.void(lease, f"KV transfer rejected: {exc}")
-            code = (
-                grpc.StatusCode.FAILED_PRECONDITION
-                if isinstance(exc, LeaseRejected)
-                else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            await context.abort(code, str(exc))
-            raise AssertionError("unreachable: context.abort raises")
-        except BaseException:
-            if lease is not None:  # the stream broke or was cancelled before its commit
-                self.leases.void(lease, "KV stream broke before its commit")
-            raise
+    def _committed(self, lease: Lease, first_token: int) -> None:
+        """The receiver accepted the lease's commit: the sequence starts decoding."""
+        lease.sequence = self.engine.start_sequence(lease, first_token)
 
-    def _stream_lease(self, lease_id: str, current: Lease | None) -> Lease:
-        """The lease this stream writes to: the one its first chunk named, and no other."""
-        lease = self.leases.for_push(lease_id)
-        if current is None and lease.state is not LeaseState.GRANTED:
-            raise LeaseRejected(f"lease {lease_id!r} is already receiving on another stream")
-        if current is not None and lease is not current:
-            raise LeaseRejected("one KV stream carries one lease")
-        return lease
-
-    def _accept_chunk(self, chunk: pb.KvChunk, lease: Lease) -> None:
-        payload = chunk.data  # read once: every access copies
-        header = ChunkHeader(
-            chunk.index,
-            chunk.layer,
-            chunk.token_start,
-            chunk.token_end,
-            DTYPE_FROM_PB.get(chunk.dtype, "unspecified"),
-            tuple(chunk.shape),
-            chunk.crc32,
-            chunk.model_fingerprint,
-        )
-        lease.assembly.check(header)
-        k, v = decode_chunk(
-            header, payload, self.config, lease.spec.prompt_len, self.served.fingerprint
-        )
-        lease.table.ensure(header.token_end)
-        self.engine.cache.write(
-            header.layer, lease.table.slots(header.token_start, header.token_end), k, v
-        )
-        lease.assembly.accepted(header, len(payload))
-        self.chunks_received += 1
-        self.settings.common.faults.after_chunk_received(self.chunks_received)
-        if lease.state is LeaseState.GRANTED:
-            lease.state, lease.first_chunk_at = LeaseState.RECEIVING, time.perf_counter()
-
-    def _commit(self, commit: pb.KvCommit, current: Lease | None) -> pb.PushKvReply:
-        key = (
-            commit.first_token_id,
-            commit.num_chunks,
-            commit.digest,
-            commit.request_id,
-            commit.prompt_digest,
-        )
-        done = self.leases.committed(commit.lease_id)
-        if done is not None:
-            if current is not None and current is not done:
-                raise LeaseRejected("one KV stream carries one lease")
-            if done.commit_key != key:
-                raise LeaseRejected(f"lease {commit.lease_id!r} was committed with other contents")
-            return pb.PushKvReply(
-                lease_id=done.lease_id, bytes=done.assembly.bytes, newly_committed=False
-            )
-        lease = self.leases.for_push(commit.lease_id)
-        if current is not lease and (current is not None or lease.state is LeaseState.RECEIVING):
-            raise LeaseRejected("a commit must come on the stream that carried the lease's KV")
-        if commit.request_id != lease.spec.request_id or commit.prompt_digest != prompt_digest(
-            lease.spec.prompt_token_ids
-        ):
-            raise LeaseRejected(f"lease {lease.lease_id!r} belongs to another request or prompt")
-        lease.assembly.check_commit(commit.num_chunks, commit.digest)
-        if not 0 <= commit.first_token_id < self.config.vocab_size:
-            raise KvRejected(f"first token {commit.first_token_id} outside the vocabulary")
-        lease.state, lease.commit_key = LeaseState.COMMITTED, key
-        lease.committed_at = time.perf_counter()
-        metrics.record_handoff("decode", lease.handoff_seconds, lease.assembly.bytes)
-        lease.sequence = self.engine.start_sequence(lease, commit.first_token_id)
-        return pb.PushKvReply(
-            lease_id=lease.lease_id, bytes=lease.assembly.bytes, newly_committed=True
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Registers DecodeService. PushKv reads its messages with pdserve.kv.frames rather than
+        protobuf's parser (which would copy every payload twice), so the generated registration
+        function, which would install protobuf's, is not used."""
+        handlers = {
+            "Decode": grpc.unary_stream_rpc_method_handler(
+                self.Decode,
+                request_deserializer=pb.DecodeRequest.FromString,
+                response_serializer=pb.DecodeResponse.SerializeToString,
+            ),
+            "PushKv": push_kv_handler(self.receiver),
+            "GetPoolStats": grpc.unary_unary_rpc_method_handler(
+                self.GetPoolStats,
+                request_deserializer=pb.GetPoolStatsRequest.FromString,
+                response_serializer=pb.GetPoolStatsResponse.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("pdserve.v1.DecodeService", handlers),)
         )
 
-    async def GetPoolStats(self, request, context) -> pb.PoolStats:
-        return pb.PoolStats(
+    async def GetPoolStats(self, request, context) -> pb.GetPoolStatsResponse:
+        return pb.GetPoolStatsResponse(
             total_blocks=self.engine.pool.num_blocks,
             free_blocks=self.engine.pool.available_blocks,
             block_size=self.engine.pool.block_size,
@@ -236,9 +169,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             pending_leases=self.leases.pending,
             instance=self.instance,
         )
-
-    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return convert.model_info_to_pb(self.served)
 
     async def expire_leases_forever(self) -> None:
         while True:
@@ -261,14 +191,33 @@ async def serve(served: ServedModel, settings: DecodeSettings) -> None:
         settings.num_blocks,
         lambda: servicer.engine.scheduler.size,
     )
-    pb_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
+    servicer.add_to_server(server.grpc)
+    model_info.add_to_server(served, server.grpc)
+    data_plane = await _start_data_plane(servicer, settings)
     servicer.engine.start()
     expiry = asyncio.create_task(servicer.expire_leases_forever())
 
     async def on_stop() -> None:
         expiry.cancel()
+        if data_plane is not None:
+            await data_plane.stop()
         servicer.engine.stop()
 
     await run_until_signalled(
         server, instance, settings.common.grace_seconds, servicer.admission, on_stop
     )
+
+
+async def _start_data_plane(
+    servicer: DecodeServicer, settings: DecodeSettings
+) -> DataPlaneServer | None:
+    """The TCP data plane, offered with every lease; None when --kv-data-port is -1."""
+    if settings.kv_data_port < 0:
+        log.info("KV data plane off: KV arrives over DecodeService.PushKv only")
+        return None
+    # A connection that goes quiet is closed after as long as a lease may wait for its KV.
+    plane = DataPlaneServer(servicer.receiver, idle_timeout=settings.lease_ttl_seconds)
+    port = await plane.start(settings.common.host, settings.kv_data_port)
+    servicer.data_endpoints = [pb.DataEndpoint(transport="tcp", port=port)]
+    log.info("KV data plane (tcp) listening on %s:%d", settings.common.host, port)
+    return plane

@@ -12,8 +12,12 @@ from pdserve import metrics
 from pdserve.core.engine_loop import EngineLoop
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import InvalidRequest, validate
+from pdserve.kv.grpc_transport import GrpcKvSink
+from pdserve.kv.receiver import Committed
+from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
+from pdserve.kv.tcp_transport import TcpKvSink
 from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
-from pdserve.rpc import convert
+from pdserve.rpc import convert, model_info
 from pdserve.rpc.server import (
     CHANNEL_OPTIONS,
     Admission,
@@ -24,15 +28,16 @@ from pdserve.rpc.server import (
 from pdserve.settings import PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.prefill.kv_sender import KvSender
 
 log = logging.getLogger(__name__)
 
 # Decode addresses come from the router; a bound keeps a stream of new ones from piling up.
 MAX_DECODE_CHANNELS = 64
+# A data plane that does not accept a connection this fast is taken as absent (auto: gRPC).
+DATA_PLANE_CONNECT_SECONDS = 2.0
 
 
-class PrefillServicer(pb_grpc.PrefillServicer):
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, served: ServedModel, settings: PrefillSettings, instance: str) -> None:
         self.served, self.config = served, served.config
         self.settings, self.instance = settings, instance
@@ -45,7 +50,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.steps = 0
         self.broken: str | None = None  # why the engine loop failed, once it has
         self.on_broken: Callable[[], None] = lambda: None
-        self._decode_stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.DecodeStub]] = {}
+        self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self.admission = Admission()
 
     def _step(self) -> None:
@@ -65,7 +70,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.scheduler.fail_all(message)
         self.on_broken()
 
-    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         if self.broken:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"this prefill instance's engine failed: {self.broken}"
@@ -74,7 +79,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         with self.admission.track():
             return await self._prefill(request, context)
 
-    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         try:
             check_same_model(self.served, request.model_fingerprint, "the prefill request")
             spec = validate(
@@ -91,83 +96,109 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "lease_id and decode_address are required"
             )
+        try:
+            sink = await self._open_sink(request, spec)
+        except KvTransferFailed as exc:
+            await self._push_failed(context, request, exc, "tcp")
         loop = asyncio.get_running_loop()
-        sender = KvSender(
-            loop,
-            request.lease_id,
-            spec,
-            self.served,
-            self.settings.chunk_bytes,
-            self.settings.common.faults,
-        )
         done: asyncio.Future = loop.create_future()
         job = PrefillJob(
             spec,
-            sender.on_layer_kv,
+            sink.on_layer_kv,
             on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
             on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)),
         )
-        push = asyncio.ensure_future(
-            self._stub(request.decode_address).PushKv(
-                sender.pushes(), timeout=context.time_remaining()
-            )
-        )
+        push = asyncio.ensure_future(sink.send(context.time_remaining()))
         self.scheduler.add(job)
         self.loop.wake()
         try:
             first_token, timing = await _first_of(done, push)
-            sender.commit(first_token)
-            reply = await push
-        except grpc.aio.AioRpcError as exc:
-            metrics.REQUESTS.labels("prefill", "error", exc.code().name).inc()
-            await context.abort(
-                _push_status(exc.code()),
-                f"KV push to decode {request.decode_address} failed: "
-                f"{exc.code().name}: {exc.details()}",
-            )
+            sink.commit(first_token)
+            committed = await push
+        except KvTransferFailed as exc:
+            await self._push_failed(context, request, exc, sink.transport)
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             job.cancelled = True
             push.cancel()
-        return self._reply(spec.request_id, first_token, timing, sender, reply)
+        return self._reply(spec.request_id, first_token, timing, sink, committed)
+
+    async def _open_sink(self, request: pb.PrefillRequest, spec) -> KvSink:
+        """The lease's TCP data plane when decode offers one (and --kv-transport allows it),
+        else DecodeService.PushKv. An unreachable data plane falls back to gRPC under auto."""
+        target = KvTarget(
+            request.lease_id,
+            spec.request_id,
+            spec.prompt_token_ids,
+            self.config,
+            self.served.fingerprint,
+            self.settings.chunk_bytes,
+        )
+        faults, mode = self.settings.common.faults, self.settings.kv_transport
+        endpoint = next((e for e in request.data_endpoints if e.transport == "tcp"), None)
+        if mode != "grpc" and endpoint is not None:
+            host = endpoint.host or _host_of(request.decode_address)
+            sink = TcpKvSink(target, faults, host, endpoint.port)
+            try:
+                await sink.connect(DATA_PLANE_CONNECT_SECONDS)
+                return sink
+            except (OSError, TimeoutError) as exc:
+                why = f"data plane {sink.address} unreachable: {exc or type(exc).__name__}"
+                if mode == "tcp":
+                    raise KvTransferFailed("UNAVAILABLE", why) from None
+                log.warning("%s; sending request %s's KV over gRPC", why, spec.request_id)
+        elif mode == "tcp":
+            raise KvTransferFailed(
+                "FAILED_PRECONDITION", "decode offers no TCP data plane and --kv-transport is tcp"
+            )
+        return GrpcKvSink(target, faults, self._channel(request.decode_address))
+
+    async def _push_failed(self, context, request, exc: KvTransferFailed, transport: str):
+        metrics.REQUESTS.labels("prefill", "error", exc.code).inc()
+        await context.abort(
+            _push_status(exc.code),
+            f"KV push to decode {request.decode_address} over {transport} failed: "
+            f"{exc.code}: {exc.message}",
+        )
 
     def _reply(
         self,
         request_id: str,
         first_token: int,
         timing: PrefillTiming,
-        sender: KvSender,
-        reply: pb.PushKvReply,
-    ) -> pb.PrefillReply:
+        sink: KvSink,
+        committed: Committed,
+    ) -> pb.PrefillResponse:
         now = time.perf_counter()
-        handoff = now - sender.first_sent_at if sender.first_sent_at else 0.0
-        metrics.record_handoff("prefill", handoff, reply.bytes)
+        handoff = now - sink.first_sent_at if sink.first_sent_at else 0.0
+        metrics.record_handoff("prefill", handoff, committed.bytes)
+        metrics.KV_TRANSFERS.labels("prefill", sink.transport).inc()
         metrics.REQUESTS.labels("prefill", "ok", "OK").inc()
-        return pb.PrefillReply(
+        return pb.PrefillResponse(
             request_id=request_id,
             first_token_id=first_token,
-            handoff_bytes=reply.bytes,
-            handoff_seconds=handoff,
+            handoff=pb.Handoff(
+                bytes=committed.bytes,
+                seconds=handoff,
+                exposed_seconds=now - timing.finished_at,
+                num_chunks=sink.num_chunks,
+                transport=sink.transport,
+            ),
             prefill_seconds=timing.prefill_seconds,
             queue_seconds=timing.queue_seconds,
-            num_chunks=sender.num_chunks,
             instance=self.instance,
-            handoff_exposed_seconds=now - timing.finished_at,
         )
 
-    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return convert.model_info_to_pb(self.served)
-
-    def _stub(self, address: str) -> pb_grpc.DecodeStub:
-        if address not in self._decode_stubs:
-            if len(self._decode_stubs) >= MAX_DECODE_CHANNELS:  # forget the oldest address
-                oldest = next(iter(self._decode_stubs))
-                channel, _ = self._decode_stubs.pop(oldest)
-                asyncio.ensure_future(channel.close(grace=30))
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._decode_stubs[address] = (channel, pb_grpc.DecodeStub(channel))
-        return self._decode_stubs[address][1]
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._decode_channels:
+            if len(self._decode_channels) >= MAX_DECODE_CHANNELS:  # forget the oldest address
+                oldest = self._decode_channels.pop(next(iter(self._decode_channels)))
+                asyncio.ensure_future(oldest.close(grace=30))
+            self._decode_channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS
+            )
+        return self._decode_channels[address]
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
@@ -193,9 +224,19 @@ async def _first_of(done: asyncio.Future, push: asyncio.Future):
     return done.result()
 
 
-def _push_status(code: grpc.StatusCode) -> grpc.StatusCode:
+def _push_status(code: str) -> grpc.StatusCode:
     """ABORTED: the handoff failed on the decode side (this prefill is fine); the details say why."""
-    return code if code == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.ABORTED
+    return (
+        grpc.StatusCode.DEADLINE_EXCEEDED
+        if code == "DEADLINE_EXCEEDED"
+        else grpc.StatusCode.ABORTED
+    )
+
+
+def _host_of(address: str) -> str:
+    """The host of host:port ([v6]:port too), where a data endpoint without a host lives."""
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
 
 
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:
@@ -206,7 +247,8 @@ async def serve(served: ServedModel, settings: PrefillSettings) -> None:
     servicer = PrefillServicer(served, settings, instance)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
-    pb_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
+    pb_grpc.add_PrefillServiceServicer_to_server(servicer, server.grpc)
+    model_info.add_to_server(served, server.grpc)
     loop = asyncio.get_running_loop()
 
     def on_broken() -> None:

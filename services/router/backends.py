@@ -12,13 +12,13 @@ import itertools
 import logging
 import socket
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Generic, Protocol, TypeVar
+from typing import AbstractSet, Callable, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.rpc import model_info
 from pdserve.rpc.server import CHANNEL_OPTIONS
-from pdserve.v1 import pdserve_pb2 as pb
 from services.router.errors import RouterError
 
 log = logging.getLogger(__name__)
@@ -26,14 +26,8 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_SECONDS = 1.0
 
 
-class ModelInfoStub(Protocol):
-    """What every instance answers, prefill or decode: which model it serves."""
-
-    GetModelInfo: Callable[..., Any]
-
-
-# The generated gRPC stub an instance is called through (pb_grpc.PrefillStub or DecodeStub).
-StubT = TypeVar("StubT", bound=ModelInfoStub)
+# The generated gRPC stub an instance is called through (PrefillServiceStub or DecodeServiceStub).
+StubT = TypeVar("StubT")
 
 
 @dataclass
@@ -123,9 +117,7 @@ class BackendSet(Generic[StubT]):
     async def _check_model(self, instance: Instance[StubT]) -> None:
         """Asks once which model the instance serves; a different one is never used."""
         try:
-            info = await instance.stub.GetModelInfo(
-                pb.ModelInfoRequest(), timeout=HEALTH_TIMEOUT_SECONDS
-            )
+            info = await model_info.fetch(instance.channel, HEALTH_TIMEOUT_SECONDS)
         except grpc.aio.AioRpcError as exc:
             log.warning(
                 "%s instance %s did not say which model it serves: %s",

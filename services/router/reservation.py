@@ -44,14 +44,16 @@ class Inflight:
 class Reservation:
     call: grpc.aio.UnaryStreamCall
     lease: pb.LeaseGranted
-    decode: Instance[pb_grpc.DecodeStub]
+    decode: Instance[pb_grpc.DecodeServiceStub]
     # Set at decode's first token: the KV is committed and decode owns the sequence, so a
     # prefill that fails after this point (before its reply) no longer matters.
     streaming: bool = False
 
 
 class ReservationLine:
-    def __init__(self, decodes: BackendSet[pb_grpc.DecodeStub], settings: RouterSettings) -> None:
+    def __init__(
+        self, decodes: BackendSet[pb_grpc.DecodeServiceStub], settings: RouterSettings
+    ) -> None:
         self._decodes, self._settings = decodes, settings
         self.queued = 0  # requests waiting in line for decode room
         self._head_of_line = asyncio.Lock()  # FIFO: the waiting request allowed to poll
@@ -117,10 +119,10 @@ class ReservationLine:
         )
 
     async def _try_reserve(
-        self, decode: Instance[pb_grpc.DecodeStub], inflight: Inflight
+        self, decode: Instance[pb_grpc.DecodeServiceStub], inflight: Inflight
     ) -> Reservation | None:
         spec = inflight.spec
-        call = decode.stub.Generate(
+        call = decode.stub.Decode(
             pb.DecodeRequest(
                 request_id=spec.request_id,
                 prompt_token_ids=spec.prompt_token_ids,

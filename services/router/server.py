@@ -19,7 +19,7 @@ import grpc
 from pdserve import metrics
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.models.loading import ServedModel
-from pdserve.rpc import convert
+from pdserve.rpc import convert, model_info
 from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
@@ -34,14 +34,22 @@ REFRESH_SECONDS = 1.0
 RETRY_BACKOFF_SECONDS = 0.05
 
 
-class RouterServicer(pb_grpc.RouterServicer):
+class RouterServicer(pb_grpc.RouterServiceServicer):
     def __init__(self, served: ServedModel, settings: RouterSettings) -> None:
         self.served, self.config, self.settings = served, served.config, settings
         self.prefills = BackendSet(
-            "prefill", settings.prefill, pb_grpc.PrefillStub, served.fingerprint, served.identity
+            "prefill",
+            settings.prefill,
+            pb_grpc.PrefillServiceStub,
+            served.fingerprint,
+            served.identity,
         )
         self.decodes = BackendSet(
-            "decode", settings.decode, pb_grpc.DecodeStub, served.fingerprint, served.identity
+            "decode",
+            settings.decode,
+            pb_grpc.DecodeServiceStub,
+            served.fingerprint,
+            served.identity,
         )
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
@@ -109,6 +117,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                     lease_id=reservation.lease.lease_id,
                     decode_address=reservation.decode.address,
                     model_fingerprint=self.served.fingerprint,
+                    data_endpoints=reservation.lease.data_endpoints,
                 ),
                 timeout=inflight.remaining(),
             )
@@ -139,7 +148,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             reservation.call.cancel()
             prefill_call.cancel()
 
-    def _pick_prefill(self, avoid: set[str]) -> Instance[pb_grpc.PrefillStub]:
+    def _pick_prefill(self, avoid: set[str]) -> Instance[pb_grpc.PrefillServiceStub]:
         ordered = self.prefills.ordered(avoid)
         if not ordered:
             raise HandoffFailed("no prefill instance is known", set())
@@ -149,7 +158,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self,
         reservation: Reservation,
         prefill_call: asyncio.Future,
-        prefill: Instance[pb_grpc.PrefillStub],
+        prefill: Instance[pb_grpc.PrefillServiceStub],
     ):
         """Token events, then (finished, prefill reply, first token time) once decode is done."""
         first_token_at = None
@@ -186,12 +195,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         details: str,
         reservation: Reservation,
         prefill_call: asyncio.Future,
-        prefill: Instance[pb_grpc.PrefillStub],
+        prefill: Instance[pb_grpc.PrefillServiceStub],
     ) -> RouterError:
         """The most telling error: prefill's when it failed (decode was cancelled for it)."""
         decode = reservation.decode
         where = f"decode {decode.address}"
-        culprit: Instance[pb_grpc.PrefillStub] | Instance[pb_grpc.DecodeStub] = decode
+        culprit: Instance[pb_grpc.PrefillServiceStub] | Instance[pb_grpc.DecodeServiceStub] = decode
         err = prefill_call.exception() if _failed(prefill_call) else None
         if isinstance(err, grpc.aio.AioRpcError):
             code, details, where = err.code(), err.details(), f"prefill {prefill.address}"
@@ -210,7 +219,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self,
         spec: GenerateSpec,
         finished: pb.DecodeFinished,
-        reply: pb.PrefillReply,
+        reply: pb.PrefillResponse,
         reservation: Reservation,
         received: float,
         first_token_at: float,
@@ -225,7 +234,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             finished.usage.completion_tokens,
             finished.usage.prompt_tokens,
         )
-        metrics.record_handoff("router", reply.handoff_seconds, reply.handoff_bytes)
+        metrics.record_handoff("router", reply.handoff.seconds, reply.handoff.bytes)
         return pb.GenerateResponse(
             request_id=spec.request_id,
             token_ids=finished.last.token_ids,
@@ -235,19 +244,14 @@ class RouterServicer(pb_grpc.RouterServicer):
             metrics=pb.RequestMetrics(
                 time_to_first_token_seconds=first_token_at - received,
                 end_to_end_seconds=now - received,
-                handoff_bytes=reply.handoff_bytes,
-                handoff_seconds=reply.handoff_seconds,
+                handoff=reply.handoff,
                 prefill_seconds=reply.prefill_seconds,
                 queue_seconds=reply.queue_seconds,
                 prefill_instance=reply.instance,
                 decode_instance=reservation.lease.instance,
                 attempts=attempt,
-                handoff_exposed_seconds=reply.handoff_exposed_seconds,
             ),
         )
-
-    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return convert.model_info_to_pb(self.served)
 
     async def refresh_forever(self, server: Server) -> None:
         """Keeps the instance lists and the router's own health status current."""
@@ -271,7 +275,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             await asyncio.sleep(REFRESH_SECONDS)
 
 
-async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillReply:
+async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillResponse:
     """Prefill's reply; empty (no handoff figures) if prefill failed after decode's commit."""
     try:
         return await prefill_call
@@ -281,7 +285,7 @@ async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillReply:
             "handoff figures",
             exc.code().name,
         )
-        return pb.PrefillReply()
+        return pb.PrefillResponse()
 
 
 def _failed(call: asyncio.Future) -> bool:
@@ -291,7 +295,8 @@ def _failed(call: asyncio.Future) -> bool:
 async def serve(served: ServedModel, settings: RouterSettings) -> None:
     server = Server(settings.common.host, settings.common.port)
     servicer = RouterServicer(served, settings)
-    pb_grpc.add_RouterServicer_to_server(servicer, server.grpc)
+    pb_grpc.add_RouterServiceServicer_to_server(servicer, server.grpc)
+    model_info.add_to_server(served, server.grpc)
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
     refresher = asyncio.create_task(servicer.refresh_forever(server))

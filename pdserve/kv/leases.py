@@ -14,7 +14,7 @@ from enum import Enum
 
 from pdserve.core.block_pool import BlockPool, BlockTable
 from pdserve.core.config import ModelConfig
-from pdserve.core.kv_wire import KvAssembly, KvRejected
+from pdserve.kv.wire import KvAssembly, KvRejected
 from pdserve.core.request import GenerateSpec
 from pdserve.core.sequence import Emission, Sequence, Sink
 
@@ -43,6 +43,7 @@ class Lease:
     # (first token, chunk count, digest, request id, prompt digest) of the accepted commit
     commit_key: tuple[int, int, int, str, int] | None = None
     first_chunk_at: float | None = None
+    transport: str = ""  # what carried its KV, once committed
     committed_at: float | None = None
 
     @property

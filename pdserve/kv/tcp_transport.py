@@ -1,0 +1,266 @@
+"""KV over a plain TCP connection: decode's data plane.
+
+gRPC stays the control plane: a lease names the data plane's port (DataEndpoint), and prefill
+connects there for that one lease's KV. The stream carries the same PushKvRequest messages as
+DecodeService.PushKv, each preceded by its length (4 bytes, little-endian), and so the same
+lease binding, chunk CRCs and commit digest. Decode answers with one DataPlaneReply frame (the
+commit's answer, or the status and reason of a refusal) and closes the connection. A connection
+that sends something unreadable, names an unknown lease or goes quiet is closed; nothing it sent
+stays in the pool.
+
+Copies of a KV byte: the kernel copies it into decode's frame buffer (recv_into), and decode
+writes it from there into the pool. The sender writes the layer's own memory (sendmsg over the
+tensors' byte views), so it makes none.
+"""
+
+import asyncio
+import logging
+import socket
+import struct
+
+from pdserve.faults import Faults
+from pdserve.kv import frames
+from pdserve.kv.receiver import Committed, KvReceiver, KvStream, status_name
+from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
+from pdserve.kv.wire import KvRejected
+from pdserve.v1 import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+LENGTH = struct.Struct("<I")
+# A frame is one chunk (1 MiB by default) plus its header. Larger is refused before any buffer
+# is allocated for it, so a hostile length cannot make decode allocate gigabytes.
+MAX_FRAME_BYTES = 64 << 20
+# How long the sender waits for the reply after its last byte, before calling the plane broken.
+REPLY_GRACE_SECONDS = 1.0
+
+
+class DataPlaneServer:
+    """Decode's listener. Each connection is one KV stream, handled on the event loop."""
+
+    def __init__(self, receiver: KvReceiver, idle_timeout: float) -> None:
+        self._receiver, self._idle_timeout = receiver, idle_timeout
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self._receiver, self._idle_timeout), host, port
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """Reads length-prefixed frames straight into a buffer it reuses (no copy of its own)."""
+
+    def __init__(self, receiver: KvReceiver, idle_timeout: float) -> None:
+        self._receiver, self._idle_timeout = receiver, idle_timeout
+        self._stream = KvStream("tcp")
+        self._buffer = bytearray(LENGTH.size)
+        self._need, self._filled, self._in_length = LENGTH.size, 0, True
+        self._transport: asyncio.Transport | None = None
+        self._finished = False
+        self._idle: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._rearm_idle()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._buffer)[self._filled : self._need]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        self._rearm_idle()
+        if self._filled < self._need or self._finished:
+            return
+        try:
+            self._frame_complete()
+        except KvRejected as exc:
+            self._refuse(status_name(exc), str(exc))
+
+    def _frame_complete(self) -> None:
+        if self._in_length:
+            (length,) = LENGTH.unpack_from(self._buffer)
+            if not 0 < length <= MAX_FRAME_BYTES:
+                raise KvRejected(f"frame of {length} bytes; the limit is {MAX_FRAME_BYTES}")
+            if len(self._buffer) < length:  # grown by replacing: views of the old one may live
+                self._buffer = bytearray(length)
+            self._need, self._filled, self._in_length = length, 0, False
+            return
+        frame = frames.read_frame(memoryview(self._buffer)[: self._need])
+        committed = frames.deliver(self._receiver, self._stream, frame)
+        self._need, self._filled, self._in_length = LENGTH.size, 0, True
+        if committed is not None:
+            self._reply(pb.DataPlaneReply(committed=_to_pb(committed)))
+
+    def _refuse(self, code: str, reason: str) -> None:
+        log.warning("data plane: refused a KV stream: %s", reason)
+        self._receiver.refuse(self._stream, f"KV transfer rejected: {reason}")
+        self._reply(pb.DataPlaneReply(error_code=_code_number(code), error_message=reason))
+
+    def _reply(self, reply: pb.DataPlaneReply) -> None:
+        self._finished = True
+        payload = reply.SerializeToString()
+        assert self._transport is not None
+        self._transport.write(LENGTH.pack(len(payload)) + payload)
+        self._transport.close()
+
+    def _rearm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        loop = asyncio.get_running_loop()
+        self._idle = loop.call_later(self._idle_timeout, self._went_quiet)
+
+    def _went_quiet(self) -> None:
+        if not self._finished:
+            self._refuse("DEADLINE_EXCEEDED", f"no bytes for {self._idle_timeout:.0f} s")
+
+    def eof_received(self) -> bool:
+        return False  # close: a stream that ends early is broken
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        if not self._finished:
+            self._finished = True
+            self._receiver.refuse(self._stream, "KV stream broke before its commit")
+
+
+class TcpKvSink(KvSink):
+    """Prefill's side: one connection per lease, opened with connect() before the transfer."""
+
+    transport = "tcp"
+
+    def __init__(self, target: KvTarget, faults: Faults, host: str, port: int) -> None:
+        super().__init__(target, faults)
+        self.address = f"{host}:{port}"
+        self._host, self._port = host, port
+        self._sock: socket.socket | None = None
+
+    async def connect(self, timeout: float) -> None:
+        """Raises OSError (or TimeoutError) when the data plane cannot be reached."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            family, _, _, _, address = (
+                await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+            )[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                await loop.sock_connect(sock, address)
+            except BaseException:
+                sock.close()
+                raise
+        self._sock = sock
+
+    async def send(self, timeout: float | None) -> Committed:
+        assert self._sock is not None, "connect() first"
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._transfer(self._sock)
+        except TimeoutError:
+            raise KvTransferFailed("DEADLINE_EXCEEDED", "KV transfer timed out") from None
+        finally:
+            self._sock.close()
+
+    async def _transfer(self, sock: socket.socket) -> Committed:
+        reply = asyncio.ensure_future(_read_reply(sock))
+        sending = asyncio.ensure_future(self._send_all(sock))
+        try:
+            await asyncio.wait({reply, sending}, return_when=asyncio.FIRST_COMPLETED)
+            if not reply.done():
+                try:
+                    sending.result()
+                except OSError:  # decode closed first: its reply, if any, says why
+                    pass
+                await asyncio.wait_for(asyncio.shield(reply), REPLY_GRACE_SECONDS)
+            return _committed(reply.result(), self.address)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            raise KvTransferFailed(
+                "UNAVAILABLE", f"data plane {self.address} broke: {exc or type(exc).__name__}"
+            ) from None
+        finally:
+            reply.cancel()
+            sending.cancel()
+
+    async def _send_all(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        async for item in self.items():
+            parts = frames.message_parts(item)
+            size = sum(memoryview(part).nbytes for part in parts)
+            await _send_parts(loop, sock, [LENGTH.pack(size), *parts])
+
+
+async def _send_parts(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list) -> None:
+    """Writes the buffers in order with sendmsg (a gather write: nothing joined, nothing
+    copied); whatever the socket does not take at once is waited on with sock_sendall."""
+    views = [memoryview(part).cast("B") for part in parts]
+    while views:
+        try:
+            sent = sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if views:
+            await loop.sock_sendall(sock, views.pop(0)[sent:])
+
+
+async def _read_reply(sock: socket.socket) -> pb.DataPlaneReply:
+    loop = asyncio.get_running_loop()
+    (length,) = LENGTH.unpack(await _recv_exactly(loop, sock, LENGTH.size))
+    if length > 1 << 16:
+        raise OSError(f"reply of {length} bytes")
+    return pb.DataPlaneReply.FromString(await _recv_exactly(loop, sock, length))
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        count = await loop.sock_recv_into(sock, view[got:])
+        if count == 0:
+            raise OSError("connection closed")
+        got += count
+    return bytes(buffer)
+
+
+def _committed(reply: pb.DataPlaneReply, address: str) -> Committed:
+    if reply.HasField("committed"):
+        c = reply.committed
+        return Committed(c.lease_id, c.bytes, c.newly_committed)
+    raise KvTransferFailed(_code_name(reply.error_code), reply.error_message or "refused")
+
+
+def _to_pb(committed: Committed) -> pb.PushKvResponse:
+    return pb.PushKvResponse(
+        lease_id=committed.lease_id,
+        bytes=committed.bytes,
+        newly_committed=committed.newly_committed,
+    )
+
+
+_CODES = {
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "FAILED_PRECONDITION": 9,
+    "UNAVAILABLE": 14,
+}  # google.rpc.Code numbers
+
+
+def _code_number(name: str) -> int:
+    return _CODES[name]
+
+
+def _code_name(number: int) -> str:
+    return next((name for name, n in _CODES.items() if n == number), "UNKNOWN")
