@@ -6,6 +6,7 @@ blocks, and nothing a refused stream sent stays in the pool.
 """
 
 import asyncio
+import dataclasses
 import random
 import tracemalloc
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from pdserve.kv import frames
 from pdserve.kv.grpc_transport import GrpcKvSink, serve_push_kv_only
 from pdserve.kv.inproc import InProcessKvSink
 from pdserve.kv.leases import LeaseState, LeaseTable
-from pdserve.kv.receiver import KvReceiver
+from pdserve.kv.receiver import KvReceiver, KvStream
+from pdserve.kv.wire import KvRejected
 from pdserve.kv.sink import KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import DataPlaneServer, TcpKvSink
 from pdserve.v1 import pdserve_pb2 as pb
@@ -156,6 +158,43 @@ def test_inproc_abort_voids_the_lease(decode):
         with pytest.raises(KvTransferFailed, match="CANCELLED"):
             await sink.send(5)
         assert lease.state is LeaseState.VOID
+
+    asyncio.run(main())
+
+
+def test_int8_compression_cuts_the_bytes_and_bounds_the_error(decode):
+    async def main():
+        lease = decode.grant()
+        lease.table.ensure(len(PROMPT))
+        slots = torch.tensor(lease.table.slots(0, len(PROMPT)))
+        kv = layers(3)
+        compressed = KvTarget(lease.lease_id, "r1", PROMPT, CONFIG, FINGERPRINT, 8 << 10, "int8")
+        sink = InProcessKvSink(compressed, Faults(), decode.receiver)
+        committed = await hand_over(sink, kv)
+        # fp32 KV: 1 byte per value plus a 4-byte scale per 16 values, against 4 bytes.
+        assert sink.wire_bytes == committed.bytes == sink.bytes * (1 + 4 / 16) / 4
+        for layer, k, v in kv:
+            for i, want in ((0, k), (1, v)):
+                got = decode.cache.kv[layer, i].index_select(1, slots).transpose(0, 1)
+                half_step = want.abs().amax(dim=-1, keepdim=True) / 127 / 2
+                assert ((got - want).abs() <= half_step * 1.001 + 1e-7).all()
+                assert not torch.equal(got, want)  # lossy, as documented
+
+    asyncio.run(main())
+
+
+def test_int8_chunk_of_the_wrong_size_is_refused(decode):
+    async def main():
+        lease = decode.grant()
+        items = await stream_items(lease.lease_id)
+        chunk = items[0]
+        header = dataclasses.replace(chunk.header, encoding="int8")  # raw bytes claimed as int8
+        stream = KvStream("inproc")
+        with pytest.raises(KvRejected, match="int8 KV of its shape takes"):
+            decode.receiver.accept(stream, header, b"".join(chunk.parts))
+        decode.receiver.refuse(stream, "test")
+        decode.leases.void(lease, "test over")
+        assert pool_is_empty(decode)
 
     asyncio.run(main())
 

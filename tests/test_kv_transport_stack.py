@@ -27,6 +27,7 @@ def test_transport_is_negotiated_per_lease_and_tokens_agree(
         tokens, _, last = generate(stack.router_stub(), greedy_request(PROMPT, 12), timeout=60)
         assert last.metrics.handoff.transport == carried_by
         assert last.metrics.handoff.bytes == 2 * 6 * 4 * 64 * len(PROMPT) * 4
+        assert last.metrics.handoff.wire_bytes == last.metrics.handoff.bytes  # uncompressed
         assert last.metrics.handoff.num_chunks >= 6  # one per layer at least
         assert len(tokens) == 12
         check_against_reference(PROMPT, tokens)  # every token the reference's choice or a tie
@@ -46,6 +47,19 @@ def test_prefill_told_tcp_fails_clearly_when_decode_offers_none(tmp_path):
         with pytest.raises(grpc.RpcError) as err:
             generate(stack.router_stub(), greedy_request(PROMPT, 4), timeout=30)
         assert "no TCP data plane" in err.value.details()
+        wait_until(stack.pools_settled, 10, "decode's pool to be whole again")
+    finally:
+        stack.stop()
+
+
+def test_int8_compression_end_to_end(tmp_path):
+    stack = start_stack(str(tmp_path), prefill_flags=("--kv-compression", "int8"))
+    try:
+        tokens, _, last = generate(stack.router_stub(), greedy_request(PROMPT, 8), timeout=60)
+        handoff = last.metrics.handoff
+        assert handoff.bytes == 2 * 6 * 4 * 64 * len(PROMPT) * 4  # the KV the model holds
+        assert handoff.wire_bytes == handoff.bytes * (1 + 4 / 64) / 4  # what crossed the wire
+        assert handoff.transport == "tcp" and len(tokens) == 8
         wait_until(stack.pools_settled, 10, "decode's pool to be whole again")
     finally:
         stack.stop()

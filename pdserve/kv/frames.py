@@ -26,6 +26,8 @@ DTYPE_TO_PB = {
     "bfloat16": pb.D_TYPE_BFLOAT16,
 }
 DTYPE_FROM_PB = {value: name for name, value in DTYPE_TO_PB.items()}
+ENCODING_TO_PB = {"raw": pb.KV_ENCODING_UNSPECIFIED, "int8": pb.KV_ENCODING_INT8}
+ENCODING_FROM_PB = {value: name for name, value in ENCODING_TO_PB.items()}
 
 DATA_FIELD = 3  # PushKvRequest.data
 _DATA_TAG = bytes([DATA_FIELD << 3 | 2])  # field 3, wire type 2 (length-delimited)
@@ -63,6 +65,7 @@ def chunk_parts(chunk: OutChunk) -> list:
             shape=list(h.shape),
             crc32=h.crc32,
             model_fingerprint=h.model_fingerprint,
+            encoding=ENCODING_TO_PB[h.encoding],
         )
     ).SerializeToString()
     return [header + _DATA_TAG + _varint(chunk.nbytes), *chunk.parts]
@@ -141,6 +144,7 @@ def _header(c: pb.KvChunk) -> ChunkHeader:
         crc32=c.crc32,
         model_fingerprint=c.model_fingerprint,
         lease_id=c.lease_id,
+        encoding=ENCODING_FROM_PB.get(c.encoding, f"unknown ({c.encoding})"),
     )
 
 

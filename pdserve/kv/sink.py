@@ -17,7 +17,8 @@ import torch
 from pdserve.core.config import ModelConfig
 from pdserve.faults import Faults
 from pdserve.kv.receiver import CommitRecord, Committed
-from pdserve.kv.wire import ChunkHeader, LayerPiece, digest, split_layer, tokens_per_chunk
+from pdserve.kv.wire import ChunkHeader, LayerPiece, digest, split_layer, split_layer_int8
+from pdserve.kv.wire import tokens_per_chunk
 from pdserve.kv.wire import prompt_digest
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -54,6 +55,7 @@ class KvTarget:
     config: ModelConfig
     model_fingerprint: str
     chunk_bytes: int
+    compression: str = "none"  # or "int8": lossy, pdserve.kv.compression
 
 
 class KvSink:
@@ -67,7 +69,9 @@ class KvSink:
         self._tokens_per_chunk = tokens_per_chunk(target.config, target.chunk_bytes)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._crcs: list[int] = []
-        self.bytes = 0
+        self._split = split_layer_int8 if target.compression == "int8" else split_layer
+        self.bytes = 0  # of KV, as the model holds it
+        self.wire_bytes = 0  # of payload sent: fewer than bytes when compressed
         self.first_sent_at: float | None = None
 
     # -- the writer's side
@@ -101,7 +105,7 @@ class KvSink:
             if isinstance(item, int):
                 yield self._commit_record(item)
                 return
-            for piece in split_layer(item[1], item[2], self._tokens_per_chunk):
+            for piece in self._split(item[1], item[2], self._tokens_per_chunk):
                 chunk = self._chunk(item[0], piece)
                 if self.first_sent_at is None:
                     self.first_sent_at = time.perf_counter()
@@ -124,9 +128,11 @@ class KvSink:
             crc32=piece.crc32,
             model_fingerprint=self.target.model_fingerprint,
             lease_id=self.target.lease_id,
+            encoding="int8" if self.target.compression == "int8" else "raw",
         )
         self._crcs.append(piece.crc32)
-        self.bytes += piece.nbytes
+        self.bytes += header.shape[1] * 2 * cfg.kv_heads * cfg.head_dim * cfg.bytes_per_element
+        self.wire_bytes += piece.nbytes
         return OutChunk(header, piece.parts)
 
     def _commit_record(self, first_token: int) -> CommitRecord:

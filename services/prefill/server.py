@@ -134,6 +134,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.config,
             self.served.fingerprint,
             self.settings.chunk_bytes,
+            self.settings.kv_compression,
         )
         faults, mode = self.settings.common.faults, self.settings.kv_transport
         endpoint = next((e for e in request.data_endpoints if e.transport == "tcp"), None)
@@ -179,7 +180,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             request_id=request_id,
             first_token_id=first_token,
             handoff=pb.Handoff(
-                bytes=committed.bytes,
+                bytes=sink.bytes,
+                wire_bytes=committed.bytes,
                 seconds=handoff,
                 exposed_seconds=now - timing.finished_at,
                 num_chunks=sink.num_chunks,
