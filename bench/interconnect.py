@@ -27,6 +27,12 @@ from pdserve.localstack import free_port
 
 ADDR_A, ADDR_B = "198.18.0.1", "198.18.0.2"
 RATES = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9, "unshaped": None}
+# How prefill sends the KV: its flags. Decode offers its TCP data plane in every one.
+VARIANTS = {
+    "tcp": (),
+    "grpc": ("--kv-transport", "grpc"),
+    "tcp-int8": ("--kv-compression", "int8"),
+}
 START_TIMEOUT_SECONDS = 90.0
 
 
@@ -169,6 +175,8 @@ def probe(address: str, lengths: list[int], reps: int) -> list[dict]:
                         {
                             "prompt_tokens": n,
                             "handoff_bytes": m.handoff.bytes,
+                            "wire_bytes": m.handoff.wire_bytes,
+                            "transport": m.handoff.transport,
                             "handoff_s": m.handoff.seconds,
                             "exposed_s": m.handoff.exposed_seconds,
                             "ttft_s": m.time_to_first_token_seconds,
@@ -178,14 +186,27 @@ def probe(address: str, lengths: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def measure(rates: list[str], lengths: list[int], reps: int) -> list[dict]:
+def measure(rates: list[str], lengths: list[int], reps: int, variants: list[str]) -> list[dict]:
     link = Link(str(os.getpid() % 100000))
+    try:
+        rows = []
+        for variant in variants:
+            rows += _measure_variant(link, variant, rates, lengths, reps)
+        return rows
+    finally:
+        link.close()
+
+
+def _measure_variant(
+    link: Link, variant: str, rates: list[str], lengths: list[int], reps: int
+) -> list[dict]:
+    """A fresh stack with the variant's prefill flags, probed at every rate."""
     procs: list[subprocess.Popen] = []
     log_dir = os.environ.get("PDSERVE_BENCH_LOGS", "/tmp")
     try:
         decode_port, prefill_port, router_port = free_port(), free_port(), free_port()
         procs.append(start_in(link.ns_b, log_dir, "decode", decode_port))
-        procs.append(start_in(link.ns_a, log_dir, "prefill", prefill_port))
+        procs.append(start_in(link.ns_a, log_dir, "prefill", prefill_port, *VARIANTS[variant]))
         procs.append(
             start_in(
                 link.ns_a,
@@ -202,32 +223,13 @@ def measure(rates: list[str], lengths: list[int], reps: int) -> list[dict]:
         rows = []
         for name in rates:
             link.shape(RATES[name])
-            out = subprocess.run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    link.ns_a,
-                    sys.executable,
-                    __file__,
-                    "--probe",
-                    f"127.0.0.1:{router_port}",
-                    "--lengths",
-                    *map(str, lengths),
-                    "--reps",
-                    str(reps),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=1200,
-            )
-            for row in json.loads(out.stdout):
+            for row in _probe_in(link, router_port, lengths, reps):
                 rate = RATES[name]
                 row.update(
+                    variant=variant,
                     link=name,
                     rate_bps=rate,
-                    predicted_s=row["handoff_bytes"] * 8 / rate if rate else None,
+                    predicted_s=row["wire_bytes"] * 8 / rate if rate else None,
                 )
                 rows.append(row)
         return rows
@@ -239,7 +241,30 @@ def measure(rates: list[str], lengths: list[int], reps: int) -> list[dict]:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        link.close()
+
+
+def _probe_in(link: Link, router_port: int, lengths: list[int], reps: int) -> list[dict]:
+    out = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            link.ns_a,
+            sys.executable,
+            __file__,
+            "--probe",
+            f"127.0.0.1:{router_port}",
+            "--lengths",
+            *map(str, lengths),
+            "--reps",
+            str(reps),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    return json.loads(out.stdout)
 
 
 def conditions(args) -> dict:
@@ -255,6 +280,7 @@ def conditions(args) -> dict:
         "link": "veth between two network namespaces, tc tbf rate both ways, no added delay",
         "prompt_lengths": args.lengths,
         "reps": args.reps,
+        "variants": {name: list(VARIANTS[name]) for name in args.variants},
         "output_tokens": 2,
         "requests": "one at a time",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -282,14 +308,16 @@ def _version(package: str) -> str:
 
 def summarize(rows: list[dict]) -> str:
     lines = [
-        f"{'link':>9} {'tokens':>6} {'KV MiB':>7} {'predicted':>10} {'measured':>10} "
+        f"{'variant':>8} {'link':>9} {'tokens':>6} {'KV MiB':>7} {'wire MiB':>8} "
+        f"{'predicted':>10} {'measured':>10} "
         f"{'ratio':>6} {'prefill':>8} {'exposed':>8} {'TTFT':>8}"
     ]
     for r in rows:
         pred = f"{r['predicted_s'] * 1e3:8.1f}ms" if r["predicted_s"] else f"{'-':>10}"
         ratio = f"{r['handoff_s'] / r['predicted_s']:6.2f}" if r["predicted_s"] else f"{'-':>6}"
         lines.append(
-            f"{r['link']:>9} {r['prompt_tokens']:>6} {r['handoff_bytes'] / 2**20:7.2f} "
+            f"{r.get('variant', 'tcp'):>8} {r['link']:>9} {r['prompt_tokens']:>6} "
+            f"{r['handoff_bytes'] / 2**20:7.2f} {r.get('wire_bytes', r['handoff_bytes']) / 2**20:8.2f} "
             f"{pred} {r['handoff_s'] * 1e3:8.1f}ms {ratio} "
             f"{r['prefill_s'] * 1e3:6.1f}ms {r['exposed_s'] * 1e3:6.1f}ms "
             f"{r['ttft_s'] * 1e3:6.1f}ms"
@@ -298,6 +326,8 @@ def summarize(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    first = rows[0].get("variant", "tcp")  # one variant per chart: the first measured
+    rows = [r for r in rows if r.get("variant", "tcp") == first]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -364,6 +394,7 @@ def main(argv=None) -> int:
     p.add_argument("--rates", nargs="+", default=list(RATES), choices=list(RATES))
     p.add_argument("--lengths", nargs="+", type=int, default=[64, 256, 1024, 2048])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=["tcp"], choices=list(VARIANTS))
     p.add_argument("--json", help="write rows and conditions here")
     p.add_argument("--plot", help="write a PNG chart here")
     p.add_argument("--probe", metavar="ROUTER", help=argparse.SUPPRESS)
@@ -376,7 +407,7 @@ def main(argv=None) -> int:
     if args.probe:
         print(json.dumps(probe(args.probe, args.lengths, args.reps)))
         return 0
-    rows = measure(args.rates, args.lengths, args.reps)
+    rows = measure(args.rates, args.lengths, args.reps, args.variants)
     print(summarize(rows))
     if args.json:
         with open(args.json, "w") as f:
