@@ -29,6 +29,13 @@ class Service:
     port: int
     proc: subprocess.Popen
     log_path: str
+    http_port: int = 0  # a router's HTTP API; 0: none
+
+    @property
+    def http_url(self) -> str:
+        """The base URL of a router's OpenAI-compatible API (what the openai SDK calls base_url)."""
+        assert self.http_port, f"{self.role} on {self.address} serves no HTTP API"
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def address(self) -> str:
@@ -64,6 +71,12 @@ def start_service(
     """
     port = port or free_port()
     log_path = os.path.join(tmp_dir, f"{role}-{port}.log")
+    http_port = 0
+    if role == "router" and "--http-port" not in flags:  # never the fixed default: tests overlap
+        http_port = free_port()
+        flags = (*flags, "--http-port", str(http_port))
+    elif role == "router":
+        http_port = int(flags[flags.index("--http-port") + 1])
     cmd = [
         sys.executable,
         "-m",
@@ -79,7 +92,7 @@ def start_service(
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSERVE_FAULTS=faults)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    service = Service(role, port, proc, log_path)
+    service = Service(role, port, proc, log_path, http_port)
     up = (lambda: check_health(service.address, 1.0)) if ready else (lambda: _listening(port))
     wait_until(lambda: proc.poll() is not None or up(), START_TIMEOUT_SECONDS, f"{role} to serve")
     if proc.poll() is not None:

@@ -144,3 +144,15 @@ def watch_pool(
     KV_BLOCKS_FREE.labels(service).set_function(free)
     KV_BLOCKS_USED.labels(service).set_function(lambda: total - free())
     RUNNING.labels(service).set_function(running)
+
+
+HTTP_REQUESTS = Counter(
+    "pdserve_http_requests_total",
+    "Requests to the router's HTTP API, by endpoint (its route; 'other' for unknown paths) and "
+    "HTTP status (499: the client left before the reply ended)",
+    ["service", "endpoint", "status"],
+)
+
+
+def record_http(endpoint: str, status: int) -> None:
+    HTTP_REQUESTS.labels("router", endpoint, str(status)).inc()

@@ -172,6 +172,16 @@ class RouterSettings:
         600.0,
         "deadline of a request whose client set none; a client's own deadline is kept when shorter",
     )
+    http_port: int = setting(
+        8000,
+        "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health; docs/api.md), on --host beside gRPC; 0 turns it off",
+    )
+    api_key: str = setting(
+        "",
+        "when set, the HTTP API's /v1/* paths require 'Authorization: Bearer <key>'; set it "
+        "through the variable rather than the flag, which other users can read in the process list",
+    )
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -181,6 +191,8 @@ class RouterSettings:
         _positive(
             self, "max_queue", "queue_timeout_seconds", "max_attempts", "request_timeout_seconds"
         )
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port}: expected 0 (off) or a port")
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,22 @@ deadline bounds every outbound call; a client that leaves cancels both.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
+from typing import AsyncGenerator, Callable
 
 import grpc
 
 from pdserve import metrics
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.models.loading import ServedModel
-from pdserve.rpc import convert, model_info
-from pdserve.rpc.server import Admission, Server, admitted, run_until_signalled
+from pdserve.rpc import convert, model_info, reflection
+from pdserve.rpc.server import Admission, Server, run_until_signalled
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from services.router import http_api
 from services.router.backends import BackendSet, Instance
 from services.router.errors import RETRYABLE, HandoffFailed, RouterError
 from services.router.reservation import Inflight, Reservation, ReservationLine
@@ -54,25 +57,62 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
 
-    @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
+        responses = self.generate(
+            lambda: convert.spec_from_generate(request, self.served.tokenizer),
+            context.time_remaining(),
+        )
+        try:
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+        except RouterError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def generate(
+        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """One request's whole life in the router, whichever front it came through (gRPC or
+        HTTP): admission, validation, reservation, prefill, relay and retries.
+
+        `make_spec` tokenizes the request: its InvalidRequest is reported like every other bad
+        input. `time_remaining` is the client's deadline, if it set one. Raises RouterError; the
+        caller must close the generator (contextlib.aclosing) so that a client who leaves
+        cancels the backend calls at once.
+        """
+        if self.admission.draining:
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE, "this instance is draining and takes no new requests"
+            )
+        with self.admission.track():
+            inflight = None
+            try:
+                inflight = self._inflight(make_spec, time_remaining)
+                async for response in self._with_retries(inflight):
+                    yield response
+            except RouterError as exc:
+                request_id = inflight.spec.request_id if inflight else "(invalid)"
+                log.info("request %s failed: %s %s", request_id, exc.code.name, exc)
+                metrics.record_request("router", exc.code.name)
+                raise
+
+    def _inflight(
+        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None
+    ) -> Inflight:
         received = time.perf_counter()
         try:
-            spec = validate(convert.spec_from_generate(request, self.served.tokenizer), self.config)
+            spec = validate(make_spec(), self.config)
         except InvalidRequest as exc:
-            metrics.record_request("router", "INVALID_ARGUMENT")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        budget = min(
-            context.time_remaining() or float("inf"), self.settings.request_timeout_seconds
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        budget = min(time_remaining or float("inf"), self.settings.request_timeout_seconds)
+        return Inflight(spec, received, time.monotonic() + budget)
+
+    @property
+    def serving(self) -> bool:
+        """A healthy prefill and decode instance are known, and this router is not draining."""
+        return (
+            self.prefills.any_healthy and self.decodes.any_healthy and not self.admission.draining
         )
-        inflight = Inflight(spec, received, time.monotonic() + budget)
-        try:
-            async for response in self._with_retries(inflight):
-                yield response
-        except RouterError as exc:
-            log.info("request %s failed: %s %s", spec.request_id, exc.code.name, exc)
-            metrics.record_request("router", exc.code.name)
-            await context.abort(exc.code, str(exc))
 
     async def _with_retries(self, inflight: Inflight):
         spec = inflight.spec
@@ -258,11 +298,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         serving = None
         while True:
             await asyncio.gather(self.prefills.refresh(), self.decodes.refresh())
-            now_serving = (
-                self.prefills.any_healthy
-                and self.decodes.any_healthy
-                and not self.admission.draining
-            )
+            now_serving = self.serving
             if now_serving != serving:
                 log.info(
                     "router %s",
@@ -297,12 +333,16 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
     servicer = RouterServicer(served, settings)
     pb_grpc.add_RouterServiceServicer_to_server(servicer, server.grpc)
     model_info.add_to_server(served, server.grpc)
+    reflection.enable(server.grpc, "RouterService", "ModelInfoService")
     metrics.start(settings.common.metrics_port)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
+    http = await http_api.start(servicer, served, settings) if settings.http_port else None
 
     async def on_stop() -> None:
         refresher.cancel()
+        if http is not None:
+            await http.cleanup()
         await asyncio.gather(servicer.prefills.close(), servicer.decodes.close())
 
     await run_until_signalled(

@@ -1,0 +1,258 @@
+"""The router's OpenAI-compatible HTTP API, on its own port beside gRPC.
+
+aiohttp, because it is an HTTP/1.1 server (not a parser of our own) that runs on the router's own
+asyncio loop: a request goes through RouterServicer.generate, the same admission, reservation,
+prefill and relay as a gRPC Generate call, with no thread or process hop and no copy of the
+handoff logic. (An ASGI stack would need a second server and loop.)
+
+    POST /v1/chat/completions   messages through the model's chat template
+    POST /v1/completions        a text prompt, or token ids
+    GET  /v1/models             the served model and its context length
+    GET  /health                200 while a prefill and a decode instance serve, else 503
+
+A request's life: body read (bounded) -> JSON -> fields checked (openai_schema) -> generate ->
+one JSON reply, or server-sent events ending with `data: [DONE]`. Streams wait for the first
+token before sending their headers, so that everything which fails before it (bad input, a full
+queue, no backend) gets its own HTTP status. A client that disconnects cancels the request's
+task, and with it the decode and prefill calls, so its KV blocks are freed at once.
+"""
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from pdserve import metrics
+from pdserve.models.loading import ServedModel
+from pdserve.settings import RouterSettings
+from pdserve.v1 import pdserve_pb2 as pb
+from services.router import openai_format as fmt
+from services.router.errors import RouterError, http_status
+from services.router.openai_schema import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    OpenAIRequest,
+    UnknownModel,
+    parse_chat,
+    parse_completion,
+)
+
+if TYPE_CHECKING:  # server.py starts this front
+    from services.router.server import RouterServicer
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1  # told to a client refused as overloaded (429)
+STOP_SECONDS = 1.0  # after the router's drain: how long open HTTP connections get to close
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpApi:
+    def __init__(self, router: "RouterServicer", served: ServedModel, api_key: str) -> None:
+        self.router, self.served = router, served
+        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._started = int(time.time())
+
+    def app(self) -> web.Application:
+        # client_max_size bounds every body; a larger one is answered 413 before it is read.
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth]
+        )
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # --- endpoints ---
+
+    async def health(self, request: web.Request) -> web.Response:
+        serving = self.router.serving
+        return web.json_response(
+            {"status": "serving" if serving else "not serving"}, status=200 if serving else 503
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        max_context = self.served.config.max_context
+        return web.json_response(fmt.models(self.served.name, max_context, self._started))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_chat(await _body(request), self.served.name))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_completion(await _body(request), self.served.name)
+        return await self._complete(request, parsed)
+
+    async def _complete(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
+        reply = fmt.Reply(parsed.kind, parsed.request_id, self.served.name)
+        tokenizer, max_context = self.served.tokenizer, self.served.config.max_context
+        # No client deadline over HTTP: --request-timeout-seconds bounds the request.
+        responses = self.router.generate(lambda: parsed.spec(tokenizer, max_context), None)
+        async with contextlib.aclosing(responses):
+            if parsed.stream:
+                return await _stream(request, reply, responses, parsed.include_usage)
+            return await _whole(reply, responses)
+
+    # --- middlewares ---
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure in OpenAI's error shape; every request counted by endpoint and status."""
+        endpoint = request.match_info.route.resource
+        label = endpoint.canonical if endpoint is not None else "other"
+        status = 499  # unless a response is made: the client left first
+        try:
+            response = await _answer(request, handler)
+            status = response.status
+            return response
+        finally:
+            metrics.record_http(label, status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """With --api-key, /v1/* needs `Authorization: Bearer <key>`, compared in constant time."""
+        if self._key is None or not request.path.startswith("/v1/"):
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, self._key):
+            return _error_response(
+                401,
+                fmt.error(
+                    "a valid API key is required: Authorization: Bearer <key>",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                ),
+                {"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The handler's response, or the error response its exception stands for."""
+    try:
+        return await handler(request)
+    except UnknownModel as exc:
+        return _error_response(
+            404, fmt.error(str(exc), "invalid_request_error", exc.param, "model_not_found")
+        )
+    except BadRequest as exc:
+        return _error_response(400, fmt.error(str(exc), "invalid_request_error", exc.param))
+    except RouterError as exc:
+        status, kind = http_status(exc.code)
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else {}
+        return _error_response(status, fmt.error(str(exc), kind, code=exc.code.name), headers)
+    except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.status != 413 else f"the body is over {MAX_BODY_BYTES} bytes"
+        return _error_response(
+            exc.status, fmt.error(message or exc.reason, "invalid_request_error")
+        )
+
+
+def _error_response(status: int, body: dict, headers: dict | None = None) -> web.Response:
+    return web.json_response(body, status=status, headers=headers)
+
+
+async def _body(request: web.Request) -> object:
+    """The body as JSON: application/json, not empty, at most MAX_BODY_BYTES (413 beyond)."""
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(
+            text=f"Content-Type must be application/json, got {request.content_type!r}"
+        )
+    raw = await request.read()
+    if not raw.strip():
+        raise BadRequest("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # also bytes that are not UTF-8
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+
+async def _whole(reply: fmt.Reply, responses: AsyncIterator[pb.GenerateResponse]) -> web.Response:
+    text, last = [], pb.GenerateResponse()
+    async for last in responses:
+        text.append(last.text)
+    return web.json_response(reply.whole("".join(text), last), dumps=_dumps)
+
+
+async def _stream(
+    request: web.Request,
+    reply: fmt.Reply,
+    responses: AsyncIterator[pb.GenerateResponse],
+    include_usage: bool,
+) -> web.StreamResponse:
+    first = await anext(responses)  # before the headers: a refusal still gets its status
+    stream = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await stream.prepare(request)
+    try:
+        await _events(stream, reply, first, responses, include_usage)
+    except RouterError as exc:  # after the headers: the failure becomes the last event
+        _, kind = http_status(exc.code)
+        await _send(stream, fmt.error(str(exc), kind, code=exc.code.name))
+        return stream
+    await stream.write(b"data: [DONE]\n\n")
+    return stream
+
+
+async def _events(
+    stream: web.StreamResponse,
+    reply: fmt.Reply,
+    first: pb.GenerateResponse,
+    rest: AsyncIterator[pb.GenerateResponse],
+    include_usage: bool,
+) -> None:
+    """One chunk per token, then the finish chunk, then (if asked) the usage chunk."""
+    response: pb.GenerateResponse | None = first
+    sent = 0
+    while response is not None:
+        if response.token_ids or response.text:
+            await _send(stream, reply.token_chunk(response.text, first=sent == 0))
+            sent += 1
+        if response.finish_reason:
+            await _send(stream, reply.finish_chunk(response))
+            if include_usage:
+                await _send(stream, reply.usage_chunk(response))
+        response = await anext(rest, None)
+
+
+async def _send(stream: web.StreamResponse, event: dict) -> None:
+    # One write per event, whole: a multi-byte character is never split across events, since
+    # the router's text already holds complete characters only.
+    await stream.write(b"data: " + _dumps(event).encode() + b"\n\n")
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def start(
+    router: "RouterServicer", served: ServedModel, settings: RouterSettings
+) -> web.AppRunner:
+    """Serves the API on --host:--http-port; the caller stops it with `runner.cleanup()`."""
+    api = HttpApi(router, served, settings.api_key)
+    # handler_cancellation: a client that disconnects cancels its handler (and so its request);
+    # no access log: requests are counted in metrics, and a log line per token stream is noise.
+    runner = web.AppRunner(
+        api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_SECONDS
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, settings.common.host, settings.http_port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    log.info(
+        "HTTP API (OpenAI-compatible) on %s:%d%s",
+        settings.common.host,
+        settings.http_port,
+        ", API key required on /v1/*" if settings.api_key else "",
+    )
+    return runner

@@ -1,0 +1,350 @@
+"""The router's OpenAI-compatible HTTP API, driven by the official `openai` SDK (and curl).
+
+The session stack serves TinyGPT, which has no chat template: completions are checked here, chat
+in test_http_chat.py on a tiny Llama checkpoint. Raw HTTP (urllib) appears only where the SDK
+cannot send what a test needs: malformed bodies and wrong content types.
+"""
+
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from procs import Stack, free_port, generate, start_router, start_service, wait_until
+from pdserve.models.loading import load_served_model
+from pdserve.v1 import pdserve_pb2 as pb
+
+TIMEOUT = 60.0
+PROMPT = "Disaggregated serving moves the KV cache"
+MAX_CONTEXT = load_served_model("tinygpt", weights=False).config.max_context
+
+
+def client(stack_or_url: Stack | str, api_key: str = "unused") -> openai.OpenAI:
+    """The SDK without retries, so that every error reaches the test."""
+    url = stack_or_url if isinstance(stack_or_url, str) else stack_or_url.router.http_url
+    return openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=TIMEOUT)
+
+
+def grpc_text(stack: Stack, prompt: str, max_tokens: int) -> tuple[str, pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+    _, text, last = generate(stack.router_stub(), request)
+    return text, last
+
+
+def complete(stack: Stack, extra: dict | None = None, **fields) -> openai.types.Completion:
+    """A completion of PROMPT that ignores EOS (so its length is max_tokens), plus `extra`
+    (pdserve's extension fields, sent as the SDK sends any field it does not know)."""
+    fields = {"model": "tinygpt", "prompt": PROMPT, "max_tokens": 12} | fields
+    extra_body = {"ignore_eos": True} | (extra or {})
+    return client(stack).completions.create(**fields, extra_body=extra_body)
+
+
+# --- completions ---
+
+
+def test_completion_equals_the_grpc_path_and_counts_usage(stack):
+    reply = complete(stack, max_tokens=12)
+    text, last = grpc_text(stack, PROMPT, 12)
+    assert reply.choices[0].text == text
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(PROMPT.encode()) == last.usage.prompt_tokens
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+    assert reply.model == "tinygpt" and reply.object == "text_completion"
+
+
+def test_streamed_completion_has_one_chunk_per_token_and_usage(stack):
+    stream = complete(stack, max_tokens=16, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    tokens = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    usage_only = [c for c in chunks if not c.choices]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    assert len(usage_only) == 1 and chunks[-1] is usage_only[0]
+    assert len(tokens) == usage_only[0].usage.completion_tokens == 16
+    assert finish[0].usage.completion_tokens == 16  # every pdserve reply carries usage
+    assert "".join(c.choices[0].text for c in tokens) == grpc_text(stack, PROMPT, 16)[0]
+
+
+def test_stream_without_include_usage_sends_no_usage_chunk(stack):
+    chunks = list(complete(stack, max_tokens=4, stream=True))
+    assert all(c.choices for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seed_and_temperature_reach_the_sampler(stack):
+    def sampled(seed: int) -> str:
+        fields = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed)
+        return complete(stack, {"top_k": 50}, **fields).choices[0].text
+
+    assert sampled(1) == sampled(1) != sampled(2)
+
+
+def test_stop_string_finishes_with_stop(stack):
+    text = complete(stack, max_tokens=24).choices[0].text
+    stop = next(c for c in text[len(text) // 2 :] if c.isascii() and c.isprintable())
+    reply = complete(stack, max_tokens=24, stop=[stop])
+    assert reply.choices[0].finish_reason == "stop"
+    assert stop not in reply.choices[0].text
+
+
+def test_token_id_prompt(stack):
+    reply = complete(stack, prompt=list(PROMPT.encode()), max_tokens=6)
+    assert reply.choices[0].text == grpc_text(stack, PROMPT, 6)[0]
+
+
+def test_models_lists_the_served_model_with_its_context(stack):
+    models = client(stack).models.list().data
+    assert [m.id for m in models] == ["tinygpt"]
+    assert models[0].model_extra["context_length"] == MAX_CONTEXT
+
+
+def test_health(stack):
+    status, body = raw(stack, "GET", "/health")
+    assert (status, body) == (200, {"status": "serving"})
+
+
+def test_cancelled_stream_frees_its_blocks(stack):
+    stream = complete(stack, max_tokens=MAX_CONTEXT - 64, stream=True)
+    for _, _ in zip(range(3), stream):  # a few tokens: the sequence is running on decode
+        pass
+    assert stack.pool_stats().running == 1
+    stream.close()  # the client leaves mid-stream
+    wait_until(stack.pools_settled, 15, "decode to free the cancelled stream's blocks")
+    assert complete(stack, max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+# --- bad input ---
+
+
+def raw(stack: Stack, method: str, path: str, body: bytes | None = None, headers=None):
+    """(status, JSON body) of one HTTP request, errors included."""
+    url = stack.router.http_url.removesuffix("/v1") + path
+    request = urllib.request.Request(url, body, headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": "tinygpt", "prompt": "hi", "max_tokens": 2} | fields).encode()
+
+
+BAD_INPUT = {
+    # case: (body, headers, status, words in the message, param)
+    "invalid JSON": (b'{"prompt": "hi",', JSON, 400, "not valid JSON", None),
+    "wrong content type": (body(), {"Content-Type": "text/plain"}, 415, "application/json", None),
+    "empty body": (b"", JSON, 400, "empty", None),
+    "not an object": (b"[1, 2]", JSON, 400, "JSON object", None),
+    "unknown field": (body(logprobs=2), JSON, 400, "'logprobs'", "logprobs"),
+    "max_tokens 0": (body(max_tokens=0), JSON, 400, "max_tokens", None),
+    "max_tokens negative": (body(max_tokens=-5), JSON, 400, "max_tokens", None),
+    "max_tokens over the context": (body(max_tokens=MAX_CONTEXT), JSON, 400, "context", None),
+    "max_tokens not an integer": (body(max_tokens=2.5), JSON, 400, "integer", "max_tokens"),
+    "temperature NaN string": (body(temperature="NaN"), JSON, 400, "finite", "temperature"),
+    "temperature NaN literal": (
+        b'{"prompt": "hi", "temperature": NaN}',
+        JSON,
+        400,
+        "finite",
+        "temperature",
+    ),
+    "temperature negative": (body(temperature=-0.5), JSON, 400, "temperature", None),
+    "top_p above one": (body(top_p=1.5), JSON, 400, "top_p", None),
+    "seed negative": (body(seed=-1), JSON, 400, "seed", "seed"),
+    "n above one": (body(n=2), JSON, 400, "n must be 1", "n"),
+    "stream_options without stream": (
+        body(stream_options={"include_usage": True}),
+        JSON,
+        400,
+        "stream: true",
+        "stream_options",
+    ),
+    "another model": (body(model="gpt-4o"), JSON, 404, "gpt-4o", None),
+    "chat without a template": (
+        json.dumps({"model": "tinygpt", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        JSON,
+        400,
+        "chat template",
+        None,
+    ),
+    "10,000 messages": (
+        json.dumps({"messages": [{"role": "user", "content": "hi"}] * 10_000}).encode(),
+        JSON,
+        400,
+        "at most 256 messages",
+        "messages",
+    ),
+    "10 MB body": (body(prompt="x" * 10_000_000), JSON, 413, "bytes", None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_gets_its_status_and_the_server_keeps_serving(stack, case):
+    data, headers, status, words, param = BAD_INPUT[case]
+    path = "/v1/chat/completions" if b'"messages"' in data else "/v1/completions"
+    got, reply = raw(stack, "POST", path, data, headers)
+    assert got == status, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert words in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+    if param:
+        assert reply["error"]["param"] == param
+    assert complete(stack, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_sdk_raises_the_matching_errors(stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        complete(stack, max_tokens=0)
+    assert err.value.status_code == 400 and "max_tokens" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        client(stack).completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client(stack).get("/no/such/path", cast_to=object)
+
+
+def test_unknown_paths_and_methods_get_openai_errors(stack):
+    status, reply = raw(stack, "GET", "/v1/completions")
+    assert status == 405 and "error" in reply
+    status, reply = raw(stack, "GET", "/v2/anything")
+    assert status == 404 and "error" in reply
+
+
+# --- SSE framing, with curl ---
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_sees_valid_sse_events_with_multibyte_text(stack):
+    # TinyGPT's output is random bytes: many tokens decode to U+FFFD or to other characters of
+    # two to four UTF-8 bytes, each within one event.
+    fields = {"prompt": "日本語 🙂 Grüße", "max_tokens": 48, "stream": True, "ignore_eos": True}
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "-H", "Content-Type: application/json", "-d", json.dumps(fields)]
+        + [stack.router.http_url + "/completions"],
+        capture_output=True,
+        timeout=TIMEOUT,
+        check=True,
+    ).stdout
+    events = out.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(e.removeprefix(b"data: ").decode("utf-8")) for e in events[:-2]]
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events[:-2])
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert any(len(ch.encode()) > 1 for ch in text), "no multi-byte character to check"
+    assert text == grpc_text(stack, fields["prompt"], 48)[0]
+    assert len(chunks) - 1 == chunks[-1]["usage"]["completion_tokens"] == 48
+
+
+# --- routers of their own: an API key, no backends, a deadline ---
+
+
+KEY = "sk-test-a7f3c9"
+
+
+@pytest.fixture(scope="module")
+def keyed(_session_stack, tmp_path_factory):
+    metrics_port = free_port()
+    router = start_router(
+        _session_stack.prefills,
+        _session_stack.decodes,
+        "--api-key",
+        KEY,
+        "--metrics-port",
+        str(metrics_port),
+        tmp_dir=str(tmp_path_factory.mktemp("keyed")),
+    )
+    yield router, metrics_port
+    router.stop()
+
+
+def test_api_key_is_required_on_v1(stack, keyed):
+    router, _ = keyed
+    for wrong in ("sk-wrong", KEY + "x", KEY[:-1]):
+        with pytest.raises(openai.AuthenticationError) as err:
+            client(router.http_url, wrong).models.list()
+        assert err.value.status_code == 401
+        assert err.value.body["code"] == "invalid_api_key"
+    # No key at all (the SDK always sends one): plain HTTP.
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(router.http_url + "/models")
+    assert missing.value.code == 401 and missing.value.headers["WWW-Authenticate"] == "Bearer"
+    assert json.loads(missing.value.read())["error"]["code"] == "invalid_api_key"
+    reply = client(router.http_url, KEY).completions.create(
+        model="tinygpt", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 3
+    with urllib.request.urlopen(router.http_url.removesuffix("/v1") + "/health") as health:
+        assert health.status == 200  # no key needed
+    assert KEY not in router.log()
+
+
+def test_http_requests_are_counted_by_endpoint_and_status(stack, keyed):
+    router, metrics_port = keyed
+    with pytest.raises(openai.AuthenticationError):
+        client(router.http_url, "wrong").completions.create(model="tinygpt", prompt="a")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+    counted = [line for line in text.splitlines() if line.startswith("pdserve_http_requests_total")]
+    assert any('endpoint="/v1/completions"' in ln and 'status="401"' in ln for ln in counted)
+
+
+@pytest.fixture(scope="module")
+def prefill_down(_session_stack, tmp_path_factory):
+    """A router whose only prefill address has nothing behind it (its decode is real)."""
+    router = start_service(
+        "router",
+        "--prefill",
+        f"127.0.0.1:{free_port()}",
+        "--decode",
+        _session_stack.decodes[0].address,
+        tmp_dir=str(tmp_path_factory.mktemp("prefill-down")),
+        ready=False,
+    )
+    wait_until(lambda: _http_up(router.http_port), 30, "the router's HTTP port")
+    yield router
+    router.stop()
+
+
+def _http_up(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def test_no_backend_is_503(stack, prefill_down):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(prefill_down.http_url.removesuffix("/v1") + "/health")
+    assert err.value.code == 503
+    with pytest.raises(openai.InternalServerError) as sdk:
+        client(prefill_down.http_url).completions.create(model="tinygpt", prompt="a", max_tokens=2)
+    assert sdk.value.status_code == 503
+    assert sdk.value.body["type"] == "service_unavailable"
+    assert "prefill" in sdk.value.message
+
+
+def test_deadline_is_504(stack, tmp_path):
+    router = start_router(
+        stack.prefills, stack.decodes, "--request-timeout-seconds", "0.0001", tmp_dir=str(tmp_path)
+    )
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            client(router.http_url).completions.create(model="tinygpt", prompt="a", max_tokens=2)
+        assert err.value.status_code == 504
+        assert err.value.body["code"] == "DEADLINE_EXCEEDED"
+    finally:
+        router.stop()
