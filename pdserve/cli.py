@@ -3,6 +3,7 @@
 pdserve serve router|prefill|decode|colocated   one service (flags below, or PDSERVE_* variables)
 pdserve up                                      prefill, decode and router as local processes
 pdserve generate "text"                         stream one reply to the terminal
+pdserve chat                                    a conversation in the terminal
 pdserve health ADDRESS                          exit 0 when a service reports SERVING
 pdserve bench --preset chapter                  load test: latency percentiles, goodput, handoff
 pdserve handoff-table                           what one request's KV cache costs to move
@@ -83,12 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     from pdserve.bench.cli import add_bench
+    from pdserve.chat import add_chat
     from pdserve.client import add_generate, add_health
     from pdserve.launcher import add_up
     from pdserve.tools import handoff_table
 
     add_up(sub)
     add_generate(sub)
+    add_chat(sub)
     add_health(sub)
     add_bench(sub)
     table = sub.add_parser("handoff-table", help="what one request's KV cache costs to move")
