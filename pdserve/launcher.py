@@ -13,7 +13,14 @@ from collections.abc import Sequence
 
 from pdserve.client import check_health
 from pdserve.localstack import free_port
-from pdserve.settings import DEFAULT_PORTS, CommonSettings, DecodeSettings, add_flags, as_flags
+from pdserve.settings import (
+    DEFAULT_PORTS,
+    CommonSettings,
+    DecodeSettings,
+    RouterSettings,
+    add_flags,
+    as_flags,
+)
 
 READY_TIMEOUT_SECONDS = 120.0
 
@@ -39,6 +46,7 @@ def add_up(sub) -> None:
         only=SHARED_SETTINGS,
     )
     add_flags(p, DecodeSettings, only=("num_blocks",))
+    add_flags(p, RouterSettings, only=("http_port",))
     g = p.add_argument_group(
         "placement",
         "which CPUs each service runs on (Linux CPU lists, e.g. 0 or 0-1,3; empty for all)",
@@ -79,9 +87,10 @@ def stack_commands(
     metrics_base_port: int = 0,
     shared: Sequence[str] = (),
     cpus: dict[str, str] | None = None,
+    router_flags: Sequence[str] = (),
 ) -> dict[str, list[str]]:
     """Each service's command line; `shared` (--model, --dtype) goes to all three, `cpus` maps a
-    role to its CPU list."""
+    role to its CPU list, `router_flags` go to the router alone."""
     base = [sys.executable, "-m", "pdserve.cli", "serve"]
     loopback = ["--host", "127.0.0.1", *shared]
     cpus = cpus or {}
@@ -120,6 +129,7 @@ def stack_commands(
             "--decode",
             f"127.0.0.1:{decode_port}",
             *metrics(0),
+            *router_flags,
         ],
     }
 
@@ -147,13 +157,15 @@ def run_up(args) -> int:
         args.metrics_base_port,
         as_flags(CommonSettings, args, SHARED_SETTINGS),
         {role: getattr(args, f"{role}_cpus") for role in ROLES},
+        as_flags(RouterSettings, args, ("http_port",)),
     )
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not _wait_ready(f"127.0.0.1:{args.port}", procs):
             return 1
-        print(f"pdserve is up: router on 127.0.0.1:{args.port} (Ctrl-C stops it)", flush=True)
+        http = f", OpenAI API on http://127.0.0.1:{args.http_port}/v1" if args.http_port else ""
+        print(f"pdserve is up: router on 127.0.0.1:{args.port}{http} (Ctrl-C stops it)", flush=True)
         if args.demo:
             return _demo(args, chat=served.tokenizer.has_chat_template)
         while all(p.poll() is None for p in procs.values()):

@@ -120,15 +120,16 @@ echo "engine: $(docker version --format 'server {{.Server.Version}}, client {{.C
 [[ -x "$PY" ]] || quiet install 900 bash scripts/install.sh
 
 # Host ports: free ones, so a service already on this machine cannot collide with the stack.
-read -r ROUTER_PORT ROUTER_METRICS_PORT PROM_PORT < <("$PY" - <<'EOF'
+read -r ROUTER_PORT ROUTER_METRICS_PORT PROM_PORT ROUTER_HTTP_PORT < <("$PY" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(3)]
+socks = [socket.socket() for _ in range(4)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
 EOF
 )
 export PDSERVE_ROUTER_PORT=$ROUTER_PORT PDSERVE_ROUTER_METRICS_PORT=$ROUTER_METRICS_PORT
+export PDSERVE_ROUTER_HTTP_PORT=$ROUTER_HTTP_PORT
 export PROMETHEUS_PORT=$PROM_PORT PDSERVE_PUBLISH_ADDR=127.0.0.1
 # Placement as a small host would use it: decode alone on the last CPU, the rest elsewhere.
 LAST_CPU=$(( $(nproc) - 1 ))
