@@ -126,7 +126,7 @@ def test_sampled_frequencies_follow_the_definition(temperature, top_k, top_p, al
 
 def test_kv_chunks_round_trip_and_reject_damage():
     k, v = torch.randn(40, CONFIG.kv_heads, CONFIG.head_dim), torch.randn(40, 4, 64)
-    pieces = kv_wire.split_layer(k, v, tokens_per=16)
+    pieces = list(kv_wire.split_layer(k, v, tokens_per=16))
     assert [(p.token_start, p.token_end) for p in pieces] == [(0, 16), (16, 32), (32, 40)]
     start, end, payload = pieces[1].token_start, pieces[1].token_end, pieces[1].payload()
     assert pieces[1].crc32 == kv_wire.crc32(payload)  # the CRC of the parts is the payload's

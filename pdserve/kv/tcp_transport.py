@@ -31,6 +31,9 @@ LENGTH = struct.Struct("<I")
 # A frame is one chunk (1 MiB by default) plus its header. Larger is refused before any buffer
 # is allocated for it, so a hostile length cannot make decode allocate gigabytes.
 MAX_FRAME_BYTES = 64 << 20
+# Room for a few chunks in flight in each direction's kernel buffer, so neither side waits on the
+# other while it checksums or writes a chunk.
+SOCKET_BUFFER_BYTES = 8 << 20
 # How long the sender waits for the reply after its last byte, before calling the plane broken.
 REPLY_GRACE_SECONDS = 1.0
 
@@ -156,6 +159,7 @@ class TcpKvSink(KvSink):
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             try:
                 await loop.sock_connect(sock, address)
             except BaseException:

@@ -11,6 +11,7 @@ tensors, and the transport writes them out as they are.
 
 import warnings
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,28 +73,28 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
 
 
-def split_layer(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> list[LayerPiece]:
-    """Pieces of one layer's K and V [tokens, heads, dim], at most tokens_per tokens each."""
+def split_layer(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> Iterator[LayerPiece]:
+    """Pieces of one layer's K and V [tokens, heads, dim], at most tokens_per tokens each.
+
+    Lazily: each piece's CRC is computed as the transport asks for it, so the bytes of the
+    previous piece are still on their way while it runs, and the receiver is not left idle
+    while a whole layer is checksummed (measured: a third of the receiver's time, when it was)."""
     # Rows of a contiguous tensor are contiguous: .contiguous() copies only a strided layer once.
     k_bytes, v_bytes = byte_view(k), byte_view(v)
     row = k_bytes.nbytes // max(1, k.shape[0])
-    pieces = []
     for start in range(0, k.shape[0], tokens_per):
         end = min(start + tokens_per, k.shape[0])
         parts = (k_bytes[start * row : end * row], v_bytes[start * row : end * row])
-        pieces.append(LayerPiece(start, end, parts, crc32(*parts)))
-    return pieces
+        yield LayerPiece(start, end, parts, crc32(*parts))
 
 
-def split_layer_int8(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> list[LayerPiece]:
+def split_layer_int8(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> Iterator[LayerPiece]:
     """As split_layer, with each piece compressed to int8 (pdserve.kv.compression)."""
-    pieces = []
     for start in range(0, k.shape[0], tokens_per):
         end = min(start + tokens_per, k.shape[0])
         scales, values = compression.quantize(torch.stack((k[start:end], v[start:end])))
         parts = (byte_view(scales), byte_view(values))
-        pieces.append(LayerPiece(start, end, parts, crc32(*parts)))
-    return pieces
+        yield LayerPiece(start, end, parts, crc32(*parts))
 
 
 def crc32(*parts) -> int:
