@@ -172,6 +172,8 @@ def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
         tokens, _, last = generate(stack.router_stub(), greedy_request([i + 1] * 100, 5))
         assert len(tokens) == 5
         attempts.append(last.metrics.attempts)
+        # Every request ends on the good prefill: a retry never goes back to the one that failed.
+        assert last.metrics.prefill_instance.endswith(f":{prefills[1].port}")
     assert 2 in attempts and set(attempts) <= {1, 2}
     settled(stack)
 
