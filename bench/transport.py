@@ -35,7 +35,7 @@ from pdserve.core.paged_cache import TORCH_DTYPES, PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.faults import Faults
 from pdserve.kv.grpc_transport import GrpcKvSink, serve_push_kv_only
-from pdserve.kv.leases import LeaseTable
+from pdserve.kv.leases import LeaseLimits, LeaseTable
 from pdserve.kv.receiver import KvReceiver
 from pdserve.kv.sink import KvTarget
 from pdserve.kv.tcp_transport import DataPlaneServer, TcpKvSink
@@ -92,7 +92,7 @@ async def _serve(kind, dtype, ports, leases_q, ready) -> None:
         if request is None:
             return
         spec = GenerateSpec("b", tuple(range(TOKENS)), SamplingSpec(max_tokens=4))
-        lease = leases.grant(spec, 60, lambda e: None)
+        lease = leases.grant(spec, LeaseLimits(60, 60, 1.0), lambda e: None)
         leases_q[1].put(lease.lease_id)
 
 

@@ -34,14 +34,14 @@ _BOOLS = {
 }
 
 
-def setting(default, help: str, flag: str | None = None):
+def setting(default, help: str, flag: str | None = None, secret: bool = False):
     """A settings field that carries its help text.
 
     `flag` names the flag, and so the variable, where the field's name would be ambiguous on a
     command line shared with other services' settings (DecodeSettings.max_batch is
     --max-decode-batch, since the colocated service also has a prefill batch).
     """
-    metadata = {"help": help, "flag": flag}
+    metadata = {"help": help, "flag": flag, "secret": secret}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -97,6 +97,15 @@ class DecodeSettings:
     block_size: int = setting(16, "tokens per KV block")
     max_batch: int = setting(64, "sequences decoded together per step", flag="max-decode-batch")
     lease_ttl_seconds: float = setting(30.0, "an uncommitted reservation expires after this long")
+    lease_first_chunk_seconds: float = setting(
+        20.0, "a reservation that has received no KV chunk after this long expires"
+    )
+    max_pending_lease_share: float = setting(
+        0.5,
+        "share of the pool's blocks that reservations still waiting for their KV may hold "
+        "together; beyond it a reservation is refused (RESOURCE_EXHAUSTED), so callers that "
+        "reserve and never send KV cannot take every block",
+    )
     kv_data_port: int = setting(
         0,
         "port of the TCP data plane that receives KV, offered with every lease; 0: any free "
@@ -104,7 +113,18 @@ class DecodeSettings:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "num_blocks", "block_size", "max_batch", "lease_ttl_seconds")
+        _positive(
+            self,
+            "num_blocks",
+            "block_size",
+            "max_batch",
+            "lease_ttl_seconds",
+            "lease_first_chunk_seconds",
+        )
+        if not 0 < self.max_pending_lease_share <= 1:
+            raise ValueError(
+                f"--max-pending-lease-share {self.max_pending_lease_share}: expected (0, 1]"
+            )
         if not -1 <= self.kv_data_port <= 65535:
             raise ValueError(f"--kv-data-port {self.kv_data_port}: expected -1, 0 or a port")
 
@@ -117,6 +137,15 @@ class PrefillSettings:
     max_batch_size: int = setting(8, "prompts per prefill batch", flag="max-prefill-batch")
     max_batch_tokens: int = setting(
         4096, "prompt tokens per prefill batch", flag="max-prefill-tokens"
+    )
+    max_concurrent_prefills: int = setting(
+        64, "Prefill calls in progress at once; more get RESOURCE_EXHAUSTED"
+    )
+    max_queued_prompt_tokens: int = setting(
+        65536, "prompt tokens waiting for a prefill batch; more get RESOURCE_EXHAUSTED"
+    )
+    push_timeout_seconds: float = setting(
+        120.0, "a KV push whose caller set no deadline gives up after this long"
     )
     # 1 MiB: gRPC streams moved these ~5x faster than 64 KiB pieces (2-vCPU VM, grpcio 1.85).
     chunk_bytes: int = setting(1 << 20, "largest KV chunk sent to decode (at most 4 MiB)")
@@ -133,7 +162,15 @@ class PrefillSettings:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "max_batch_size", "max_batch_tokens", "chunk_bytes")
+        _positive(
+            self,
+            "max_batch_size",
+            "max_batch_tokens",
+            "chunk_bytes",
+            "max_concurrent_prefills",
+            "max_queued_prompt_tokens",
+            "push_timeout_seconds",
+        )
         if self.kv_compression not in KV_COMPRESSIONS:
             raise ValueError(
                 f"--kv-compression {self.kv_compression!r}: expected one of "
@@ -181,6 +218,7 @@ class RouterSettings:
         "",
         "when set, the HTTP API's /v1/* paths require 'Authorization: Bearer <key>'; set it "
         "through the variable rather than the flag, which other users can read in the process list",
+        secret=True,
     )
 
     def __post_init__(self) -> None:
@@ -337,7 +375,12 @@ def _shown(value) -> str:
 def _help(f: Field, default, raw: str | None, listed: bool) -> str:
     """The help text, ending with the variable and the value in force; % escaped for argparse."""
     variable = env_name(f) + (", comma-separated" if listed else "")
-    in_force = f"default {_shown(default)}" if raw is None else f"now {raw}, from the environment"
+    if f.metadata.get("secret"):  # --help must not print a key to whoever can run it
+        in_force = "set" if (raw or default) else "not set"
+    else:
+        in_force = (
+            f"default {_shown(default)}" if raw is None else f"now {raw}, from the environment"
+        )
     return f"{f.metadata['help']} ({variable}; {in_force})".replace("%", "%%")
 
 

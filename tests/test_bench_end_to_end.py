@@ -22,7 +22,7 @@ NUM_REQUESTS = 20
 def stack():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--http-port", "0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,

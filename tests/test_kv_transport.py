@@ -21,11 +21,12 @@ from pdserve.core.paged_cache import PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.core.sequence import Emission
 from pdserve.faults import Faults
+from pdserve.localstack import wait_until
 from pdserve.kv import frames
 from pdserve.kv.grpc_transport import GrpcKvSink, serve_push_kv_only
 from pdserve.kv.inproc import InProcessKvSink
-from pdserve.kv.leases import LeaseState, LeaseTable
-from pdserve.kv.receiver import KvReceiver, KvStream
+from pdserve.kv.leases import LeaseLimits, LeaseState, LeaseTable
+from pdserve.kv.receiver import CommitRecord, KvReceiver, KvStream
 from pdserve.kv.wire import KvRejected
 from pdserve.kv.sink import KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import DataPlaneServer, TcpKvSink
@@ -35,6 +36,7 @@ CONFIG = ModelConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=100, max_cont
 PROMPT = tuple(range(1, 41))
 FINGERPRINT = "model-under-test"
 BLOCKS, BLOCK_SIZE = 16, 16
+LIMITS = LeaseLimits(ttl=30, first_chunk=30, pending_share=1.0)
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Decode:
 
     def grant(self, request_id="r1", max_tokens=4):
         spec = GenerateSpec(request_id, PROMPT, SamplingSpec(max_tokens=max_tokens))
-        return self.leases.grant(spec, ttl=30, sink=self._sink)
+        return self.leases.grant(spec, LIMITS, sink=self._sink)
 
     def _sink(self, emission: Emission) -> None:
         if emission.error:
@@ -197,6 +199,38 @@ def test_int8_chunk_of_the_wrong_size_is_refused(decode):
         assert pool_is_empty(decode)
 
     asyncio.run(main())
+
+
+def test_commit_refused_before_any_chunk_voids_its_lease(decode):
+    lease = decode.grant()
+    stream = KvStream("inproc")
+    wrong = CommitRecord(lease.lease_id, 1, 0, 0, "someone-else", 0)
+    with pytest.raises(KvRejected, match="another request"):
+        decode.receiver.commit(stream, wrong)
+    decode.receiver.refuse(stream, "refused")
+    assert lease.state is LeaseState.VOID
+
+
+def test_non_finite_kv_is_refused(decode):
+    async def main():
+        lease = decode.grant()
+        kv = layers()
+        kv[1][2][5, 0, 3] = float("nan")
+        sink = InProcessKvSink(target(lease.lease_id), Faults(), decode.receiver)
+        with pytest.raises(KvTransferFailed, match="non-finite"):
+            await hand_over(sink, kv)
+        assert lease.state is LeaseState.VOID
+
+    asyncio.run(main())
+
+
+def test_a_lease_that_sees_no_chunk_expires_early(decode):
+    spec = GenerateSpec("r1", PROMPT, SamplingSpec(max_tokens=4))
+    lease = decode.leases.grant(
+        spec, LeaseLimits(ttl=30, first_chunk=0.05, pending_share=1), lambda e: None
+    )
+    wait_until(lambda: decode.leases.expire() == 1, 5, "the first-chunk deadline")
+    assert lease.state is LeaseState.VOID
 
 
 def test_kv_of_another_model_is_refused(decode):
@@ -434,7 +468,7 @@ def _big_transfer(make_sink, leases):
     """One 4,096-token layer (32 MiB fp32) as a single chunk."""
     tokens = 4096
     spec = GenerateSpec("r1", tuple(range(tokens - 4)), SamplingSpec(max_tokens=4))
-    lease = leases.grant(spec, 30, lambda e: None)
+    lease = leases.grant(spec, LIMITS, lambda e: None)
     k = torch.randn(tokens - 4, BIG.kv_heads, BIG.head_dim)
     v = torch.randn_like(k)
     big_target = KvTarget(lease.lease_id, "r1", spec.prompt_token_ids, BIG, FINGERPRINT, 64 << 20)

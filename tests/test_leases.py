@@ -196,7 +196,11 @@ def test_a_stream_that_ends_before_its_commit_voids_the_lease(decode):
         list(call)
 
 
-def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
+def test_reservations_without_kv_cannot_take_the_whole_pool(decode):
+    """A caller that reserves and never sends KV is stopped at the pending share (0.5 by
+    default): the other half stays for sequences that have their KV. Its reservations expire
+    when no chunk comes, and an ordinary request gets room again."""
+
     def big():
         call = decode.Decode(
             pb.DecodeRequest(
@@ -204,20 +208,32 @@ def test_full_pool_is_resource_exhausted_and_cancel_frees(decode):
                 prompt_token_ids=[1] * 4000,
                 sampling=pb.SamplingParams(max_tokens=96),
                 model_fingerprint=MODEL,
+                lease_ttl_seconds=1.0,  # the first-chunk deadline follows a shorter lease
             ),
             timeout=30,
         )
         return call, next(call)
 
-    fits = _stats(decode).total_blocks // (4096 // 16)
+    total = _stats(decode).total_blocks
+    fits = (total // 2) // (4096 // 16)  # what the pending share lets through
     held = [big() for _ in range(fits)]
     assert all(event.lease.blocks == 4096 // 16 for _, event in held)
     with pytest.raises(grpc.RpcError) as err:
         big()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "pool full" in err.value.details()
+    assert "--max-pending-lease-share" in err.value.details()
+    normal = wait_until(lambda: _try_reserve(decode), 10, "the idle reservations to expire")
+    normal.cancel()
     for call, _ in held:
         call.cancel()
+
+
+def _try_reserve(stub):
+    try:
+        return reserve(stub, "normal")[0]
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return None
 
 
 @pytest.mark.parametrize("asked", [1e9, -5.0, float("nan")])

@@ -160,6 +160,12 @@ def test_help_shows_the_value_in_force(capsys, monkeypatch):
     assert "now 512, from the environment" in help_text(capsys, "serve", "decode")
 
 
+def test_help_never_shows_the_api_key(capsys, monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-very-secret-123")
+    text = help_text(capsys, "serve", "router")
+    assert "sk-very-secret-123" not in text and "PDSERVE_API_KEY; set)" in text
+
+
 @pytest.mark.parametrize(
     "env,flags,says",
     [

@@ -65,6 +65,11 @@ class PrefillScheduler:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    @property
+    def queued_tokens(self) -> int:
+        with self._lock:
+            return sum(job.spec.prompt_len for job in self._waiting)
+
     def fail_all(self, message: str) -> None:
         """Fails every waiting job and the batch in progress (the engine loop itself failed)."""
         with self._lock:

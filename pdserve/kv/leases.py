@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
-from pdserve.core.block_pool import BlockPool, BlockTable
+from pdserve.core.block_pool import BlockPool, BlockTable, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.kv.wire import KvAssembly, KvRejected
 from pdserve.core.request import GenerateSpec
@@ -21,6 +21,24 @@ from pdserve.core.sequence import Emission, Sequence, Sink
 
 class LeaseRejected(KvRejected):
     """The lease named is unknown, void, expired, committed already, or not this stream's."""
+
+
+class PendingLimit(PoolExhausted):
+    """Leases still waiting for their KV already hold the share of the pool they may hold."""
+
+
+@dataclass(frozen=True)
+class LeaseLimits:
+    ttl: float  # seconds from grant to commit
+    first_chunk: float  # seconds from grant to the first chunk
+    pending_share: float  # of the pool's blocks, that uncommitted leases may hold together
+
+
+def shown(text: str, limit: int = 48) -> str:
+    """A caller's string as logs and status details show it: escaped, and cut to `limit`."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 class LeaseState(Enum):
@@ -37,6 +55,7 @@ class Lease:
     table: BlockTable
     sink: Sink
     expires_at: float  # time.monotonic()
+    first_chunk_by: float  # time.monotonic(): a lease with no chunk by then is void
     assembly: KvAssembly
     state: LeaseState = LeaseState.GRANTED
     sequence: Sequence | None = None
@@ -60,15 +79,30 @@ class LeaseTable:
         self.pool, self.config = pool, config
         self._leases: dict[str, Lease] = {}
 
-    def grant(self, spec: GenerateSpec, ttl: float, sink: Sink) -> Lease:
-        """Reserves room for the whole request; raises PoolExhausted when there is none."""
+    def grant(self, spec: GenerateSpec, limits: LeaseLimits, sink: Sink) -> Lease:
+        """Reserves room for the whole request. Raises PoolExhausted when there is none, and
+        PendingLimit when leases without KV would hold more than their share of the pool: a
+        caller that reserves and never sends KV cannot take every block."""
+        wanted = self.pool.blocks_for(spec.max_total_tokens)
+        held = sum(lease.table.capacity_blocks for lease in self._pending())
+        share = int(limits.pending_share * self.pool.num_blocks)
+        # Alone, a reservation may exceed the share (or a large request could never run); one
+        # larger than the whole pool is left to reserve() to refuse for good.
+        if held and held + wanted > share and wanted <= self.pool.num_blocks:
+            raise PendingLimit(
+                f"leases waiting for their KV hold {held} of {self.pool.num_blocks} blocks; this "
+                f"one needs {wanted}, over the pending share of {limits.pending_share:g} "
+                f"(--max-pending-lease-share)"
+            )
         table = self.pool.reserve(spec.max_total_tokens)
+        now = time.monotonic()
         lease = Lease(
             secrets.token_hex(16),
             spec,
             table,
             sink,
-            time.monotonic() + ttl,
+            now + limits.ttl,
+            now + min(limits.first_chunk, limits.ttl),
             KvAssembly(self.config, spec.prompt_len),
         )
         self._leases[lease.lease_id] = lease
@@ -78,12 +112,13 @@ class LeaseTable:
         """The lease a KV chunk or commit names, if it may still receive KV."""
         lease = self._leases.get(lease_id)
         if lease is None:
-            raise LeaseRejected(f"unknown, expired or finished lease {lease_id!r}")
+            raise LeaseRejected(f"unknown, expired or finished lease {shown(lease_id)}")
         if lease.state is LeaseState.COMMITTED:
-            raise LeaseRejected(f"lease {lease_id!r} is already committed")
-        if time.monotonic() > lease.expires_at:
-            self.void(lease, "lease expired before its KV was committed")
-            raise LeaseRejected(f"lease {lease_id!r} expired")
+            raise LeaseRejected(f"lease {shown(lease_id)} is already committed")
+        why = _overdue(lease, time.monotonic())
+        if why:
+            self.void(lease, why)
+            raise LeaseRejected(f"lease {shown(lease_id)} expired")
         return lease
 
     def committed(self, lease_id: str) -> Lease | None:
@@ -104,17 +139,25 @@ class LeaseTable:
         self._leases.pop(lease.lease_id, None)
 
     def expire(self) -> int:
-        """Voids every uncommitted lease past its expiry; returns how many."""
+        """Voids every uncommitted lease past either deadline; returns how many."""
         now = time.monotonic()
-        late = [
-            lease
-            for lease in self._leases.values()
-            if lease.state is not LeaseState.COMMITTED and now > lease.expires_at
-        ]
-        for lease in late:
-            self.void(lease, "lease expired before its KV was committed")
+        late = [(lease, why) for lease in self._pending() if (why := _overdue(lease, now))]
+        for lease, why in late:
+            self.void(lease, why)
         return len(late)
+
+    def _pending(self) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.state is not LeaseState.COMMITTED]
 
     @property
     def pending(self) -> int:
-        return sum(1 for lease in self._leases.values() if lease.state is not LeaseState.COMMITTED)
+        return len(self._pending())
+
+
+def _overdue(lease: Lease, now: float) -> str:
+    """Why an uncommitted lease is past its time, or "" while it is not."""
+    if now > lease.expires_at:
+        return "lease expired before its KV was committed"
+    if lease.state is LeaseState.GRANTED and now > lease.first_chunk_by:
+        return "lease expired: no KV chunk arrived in time (--lease-first-chunk-seconds)"
+    return ""

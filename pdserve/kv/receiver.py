@@ -112,6 +112,7 @@ class KvReceiver:
             stream.lease is not None or lease.state is LeaseState.RECEIVING
         ):
             raise LeaseRejected("a commit must come on the stream that carried the lease's KV")
+        stream.lease = lease  # from here a refusal voids the lease, even with no chunk before it
         if record.request_id != lease.spec.request_id or record.prompt_digest != prompt_digest(
             lease.spec.prompt_token_ids
         ):
@@ -121,7 +122,7 @@ class KvReceiver:
             raise KvRejected(f"first token {record.first_token_id} outside the vocabulary")
         lease.state, lease.commit_key = LeaseState.COMMITTED, record.key
         lease.committed_at = time.perf_counter()
-        stream.lease, lease.transport = lease, stream.transport
+        lease.transport = stream.transport
         metrics.record_handoff("decode", lease.handoff_seconds, lease.assembly.bytes)
         metrics.KV_TRANSFERS.labels("decode", stream.transport).inc()
         self._on_commit(lease, record.first_token_id)

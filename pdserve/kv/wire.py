@@ -160,6 +160,9 @@ def decode_chunk(
             both = compression.decode_int8(payload, expected, TORCH_DTYPES[config.dtype])
         else:
             both = torch.frombuffer(payload, dtype=TORCH_DTYPES[config.dtype]).view(expected)
+    # NaN or inf would poison every later token of the sequence; the check is one cheap pass.
+    if not bool(torch.isfinite(both).all()):
+        raise KvRejected(f"chunk {header.index} holds non-finite values (NaN or infinity)")
     return both[0], both[1]
 
 

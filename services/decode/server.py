@@ -13,7 +13,7 @@ from pdserve import metrics
 from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.kv.grpc_transport import push_kv_handler
-from pdserve.kv.leases import Lease, LeaseState, LeaseTable
+from pdserve.kv.leases import Lease, LeaseLimits, LeaseState, LeaseTable
 from pdserve.kv.receiver import KvReceiver
 from pdserve.kv.tcp_transport import DataPlaneServer
 from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
@@ -70,8 +70,11 @@ class DecodeServicer:
         ttl = self.settings.lease_ttl_seconds
         if 0 < request.lease_ttl_seconds < ttl:  # a caller may shorten the lease, not lengthen it
             ttl = request.lease_ttl_seconds
+        limits = LeaseLimits(
+            ttl, self.settings.lease_first_chunk_seconds, self.settings.max_pending_lease_share
+        )
         try:
-            lease = self.leases.grant(spec, ttl, sink)
+            lease = self.leases.grant(spec, limits, sink)
         except NeverFits as exc:
             metrics.REQUESTS.labels("decode", "error", "OUT_OF_RANGE").inc()
             await context.abort(

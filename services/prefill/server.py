@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import math
 import time
 from typing import Callable
 
@@ -76,8 +77,26 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.UNAVAILABLE, f"this prefill instance's engine failed: {self.broken}"
             )
         await self.admission.refuse_if_draining(context)
+        await self._refuse_beyond_limits(request, context)
         with self.admission.track():
             return await self._prefill(request, context)
+
+    async def _refuse_beyond_limits(self, request: pb.PrefillRequest, context) -> None:
+        """RESOURCE_EXHAUSTED, naming the limit, rather than a queue that grows without bound."""
+        s = self.settings
+        if self.admission.in_flight >= s.max_concurrent_prefills:
+            why = f"{self.admission.in_flight} Prefill calls in progress (--max-concurrent-prefills)"
+        elif self.scheduler.queued_tokens + len(request.prompt_token_ids) > (
+            s.max_queued_prompt_tokens
+        ):
+            why = (
+                f"{self.scheduler.queued_tokens} prompt tokens already wait for a batch "
+                f"(--max-queued-prompt-tokens {s.max_queued_prompt_tokens})"
+            )
+        else:
+            return
+        metrics.REQUESTS.labels("prefill", "error", "RESOURCE_EXHAUSTED").inc()
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill is full: {why}")
 
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         try:
@@ -108,7 +127,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
             on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)),
         )
-        push = asyncio.ensure_future(sink.send(context.time_remaining()))
+        # Never unbounded: a decode that stops reading must not hold this call (and its KV) forever.
+        deadline = min(context.time_remaining() or math.inf, self.settings.push_timeout_seconds)
+        push = asyncio.ensure_future(sink.send(deadline))
         self.scheduler.add(job)
         self.loop.wake()
         try:

@@ -1,0 +1,76 @@
+"""Limits no single caller can exhaust: prefill's bounds on calls, queued tokens and pushes."""
+
+import select
+import socket
+import time
+
+import grpc
+import pytest
+
+from procs import start_service
+from pdserve.models.loading import load_served_model
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+MODEL = load_served_model("tinygpt", weights=False).fingerprint
+
+
+@pytest.fixture
+def prefill_with(tmp_path):
+    started = []
+
+    def start(*flags):
+        service = start_service("prefill", "--torch-threads", "1", *flags, tmp_dir=str(tmp_path))
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        service.stop()
+
+
+def _request(tokens: int, port: int) -> pb.PrefillRequest:
+    return pb.PrefillRequest(
+        request_id="r",
+        prompt_token_ids=[7] * tokens,
+        sampling=pb.SamplingParams(max_tokens=1),
+        lease_id="0" * 32,
+        decode_address=f"127.0.0.1:{port}",
+        model_fingerprint=MODEL,
+        data_endpoints=[pb.DataEndpoint(transport="tcp", port=port)],
+    )
+
+
+def test_prompt_tokens_beyond_the_queue_bound_are_refused_by_name(prefill_with):
+    prefill = prefill_with("--max-queued-prompt-tokens", "50")
+    with grpc.insecure_channel(prefill.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.PrefillServiceStub(channel).Prefill(_request(60, 1), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-queued-prompt-tokens" in err.value.details()
+
+
+def test_a_push_to_a_decode_that_never_reads_ends_by_the_servers_own_bound(prefill_with):
+    """No caller deadline, and a "decode" that accepts the connection and never reads: the call
+    ends at --push-timeout-seconds instead of holding its KV forever. While it hangs, a second
+    call is refused at --max-concurrent-prefills."""
+    prefill = prefill_with("--push-timeout-seconds", "3", "--max-concurrent-prefills", "1")
+    listener = socket.create_server(("127.0.0.1", 0))  # never accept()ed, never read
+    port = listener.getsockname()[1]
+    try:
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub = pb_grpc.PrefillServiceStub(channel)
+            hanging = stub.Prefill.future(_request(3000, port))  # 36 MiB of KV, no deadline
+            # In flight once it has connected to the "decode": a connection waits in the backlog.
+            assert select.select([listener], [], [], 20)[0], "the push never connected"
+            with pytest.raises(grpc.RpcError) as busy:
+                stub.Prefill(_request(10, port), timeout=10)
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-concurrent-prefills" in busy.value.details()
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                hanging.result(timeout=30)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - started < 10
+    finally:
+        listener.close()
