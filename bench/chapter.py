@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from pdserve.bench.report import cpu_conditions
+from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import free_port, start_service, wait_until
 
 MODEL = "tinygpt"

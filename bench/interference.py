@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.bench.stats import percentile
+from pdserve.loadtest.stats import percentile
 from pdserve.localstack import Service, start_pinned_disaggregated, start_service
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc

@@ -17,7 +17,7 @@ import platform
 
 import torch
 
-from pdserve.bench.report import cpu_conditions
+from pdserve.loadtest.report import cpu_conditions
 from pdserve.kv import compression
 from pdserve.models.loading import load_served_model
 from pdserve.models.tokenizer import ChatMessage

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.bench.stats import percentile
+from pdserve.loadtest.stats import percentile
 from pdserve.localstack import free_port, start_pinned_disaggregated, start_service, wait_until
 from pdserve.models.gguf_import import smollm2_gguf_path
 from pdserve.v1 import pdserve_pb2 as pb

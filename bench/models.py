@@ -640,7 +640,7 @@ def main(argv=None) -> int:
         notes=notes,
     )
     doc = {
-        "schema": "pdserve.bench.models/1",
+        "schema": "pdserve.loadtest.models/1",
         "conditions": conds,
         "results": results,
         "goals": goals(results, w.batches),

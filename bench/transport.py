@@ -28,7 +28,7 @@ import time
 import grpc
 import torch
 
-from pdserve.bench.report import cpu_conditions
+from pdserve.loadtest.report import cpu_conditions
 from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import ModelConfig
 from pdserve.core.paged_cache import TORCH_DTYPES, PagedCache

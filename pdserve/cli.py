@@ -50,7 +50,7 @@ def _serve(args) -> int:
 
     # The router only tokenizes and checks model identity, so it needs no weights.
     model = load_served_model(common.model, common.dtype, weights=(args.role != "router"))
-    service = importlib.import_module(f"services.{args.role}.server")
+    service = importlib.import_module(f"pdserve.services.{args.role}.server")
     asyncio.run(service.serve(model, settings))
     return 0
 
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    from pdserve.bench.cli import add_bench
+    from pdserve.loadtest.cli import add_bench
     from pdserve.chat import add_chat
     from pdserve.client import add_generate, add_health
     from pdserve.launcher import add_up

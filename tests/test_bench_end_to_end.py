@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdserve.bench import cli, report
+from pdserve.loadtest import cli, report
 from pdserve.client import check_health
 from pdserve.core.config import ModelConfig
 from pdserve.launcher import free_port

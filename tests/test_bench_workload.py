@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 
-from pdserve.bench import cli, report, stats, workload
-from pdserve.bench.stats import RequestResult
-from pdserve.bench.workload import LengthRange, WorkloadSpec
+from pdserve.loadtest import cli, report, stats, workload
+from pdserve.loadtest.stats import RequestResult
+from pdserve.loadtest.workload import LengthRange, WorkloadSpec
 from pdserve.core.config import ModelConfig
 
 
@@ -233,7 +233,7 @@ def _model_info(name: str) -> dict:
 
 
 def test_conditions_and_text(tmp_path):
-    from pdserve.bench.runner import RunOptions, RunResult
+    from pdserve.loadtest.runner import RunOptions, RunResult
 
     spec = _spec(rate=16.0)
     options = RunOptions("127.0.0.1:1", num_requests=2)
@@ -301,7 +301,7 @@ def test_smollm2_conditions_count_its_parameters():
 
 
 def test_conditions_without_model_info_say_unknown():
-    from pdserve.bench.runner import RunOptions
+    from pdserve.loadtest.runner import RunOptions
 
     conds = report.conditions(
         _spec(),
@@ -323,7 +323,7 @@ def test_fetch_model_info_reports_or_explains():
 
     import grpc
 
-    from pdserve.bench.runner import fetch_model_info
+    from pdserve.loadtest.runner import fetch_model_info
     from pdserve.v1 import pdserve_pb2 as pb
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 

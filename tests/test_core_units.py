@@ -163,7 +163,7 @@ def test_model_has_chapter_scale_and_identical_weights():
 
 def test_router_never_imports_torch():
     code = (
-        "import sys, services.router.server, pdserve.cli; "
+        "import sys, pdserve.services.router.server, pdserve.cli; "
         "from pdserve.models.loading import load_served_model; "
         "load_served_model('smollm2-135m-instruct', weights=False); "
         "assert 'torch' not in sys.modules, 'torch imported'"
@@ -180,10 +180,23 @@ def imported_by(module: str) -> set[str]:
     return set(out.split())
 
 
+def test_services_are_installed_under_the_project_name_only(tmp_path):
+    """Outside the source tree, the services import as pdserve.services; a bare `services`
+    package, a name that collides easily, does not exist."""
+    code = (
+        "import importlib.util as u, pdserve.services.router.server; "
+        "print(u.find_spec('services') is None)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=60, capture_output=True
+    )
+    assert out.stdout.strip() == b"True"
+
+
 @pytest.mark.parametrize("service, other", [("prefill", "decode"), ("decode", "prefill")])
 def test_prefill_and_decode_do_not_import_each_other(service, other):
-    pulled = imported_by(f"services.{service}.server")
-    assert not [m for m in pulled if m.startswith(f"services.{other}")]
+    pulled = imported_by(f"pdserve.services.{service}.server")
+    assert not [m for m in pulled if m.startswith(f"pdserve.services.{other}")]
 
 
 def test_the_shared_core_imports_no_service_and_no_generated_code():
@@ -193,7 +206,7 @@ def test_the_shared_core_imports_no_service_and_no_generated_code():
         if m.stem != "__init__"
     )
     pulled = imported_by(core.replace(" ,", ", "))
-    assert not [m for m in pulled if m.startswith(("services", "pdserve.v1", "grpc"))]
+    assert not [m for m in pulled if m.startswith(("pdserve.services", "pdserve.v1", "grpc"))]
 
 
 @pytest.mark.parametrize(
@@ -248,7 +261,7 @@ def test_an_abort_racing_the_step_end_still_frees_the_blocks():
 def colocated_engine(chunk_tokens: int):
     from pdserve.models.loading import load_served_model
     from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
-    from services.colocated.engine import ColocatedEngine
+    from pdserve.services.colocated.engine import ColocatedEngine
 
     common = CommonSettings()
     return ColocatedEngine(
@@ -315,7 +328,7 @@ def test_decode_buckets_bound_the_padding():
 
 def test_a_retry_never_goes_first_to_an_instance_that_just_failed():
     """BackendSet.ordered puts the instances a request must avoid last, whatever the rotation."""
-    from services.router.backends import BackendSet, Instance
+    from pdserve.services.router.backends import BackendSet, Instance
 
     backends = BackendSet("prefill", [], lambda channel: None, "f", "model")
     for address in ("a:1", "b:1", "c:1"):

@@ -10,9 +10,9 @@ from aiohttp.test_utils import TestServer
 
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
-from services.router.errors import RouterError
-from services.router.http_api import HttpApi
-from services.router.openai_schema import DEFAULT_MAX_TOKENS
+from pdserve.services.router.errors import RouterError
+from pdserve.services.router.http_api import HttpApi
+from pdserve.services.router.openai_schema import DEFAULT_MAX_TOKENS
 
 SERVED = load_served_model("tinygpt", weights=False)
 

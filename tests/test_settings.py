@@ -210,7 +210,9 @@ def fake_loading(monkeypatch):
         "pdserve.models.loading",
         types.SimpleNamespace(load_served_model=load_served_model),
     )
-    monkeypatch.setitem(sys.modules, "services.router.server", types.SimpleNamespace(serve=serve))
+    monkeypatch.setitem(
+        sys.modules, "pdserve.services.router.server", types.SimpleNamespace(serve=serve)
+    )
     return calls
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine imports this module
-    from services.colocated.engine import Handle
+    from pdserve.services.colocated.engine import Handle
 
 
 @dataclass

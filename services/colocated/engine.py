@@ -23,7 +23,7 @@ from pdserve.core.sampling import sample
 from pdserve.core.sequence import Emission, Sequence, Sink
 from pdserve.models.loading import ServedModel
 from pdserve.settings import ColocatedSettings
-from services.colocated.chunks import Chunk, ChunkQueue
+from pdserve.services.colocated.chunks import Chunk, ChunkQueue
 
 
 @dataclass

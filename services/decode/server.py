@@ -28,7 +28,7 @@ from pdserve.rpc.server import (
 )
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
-from services.decode.engine import DecodeEngine
+from pdserve.services.decode.engine import DecodeEngine
 
 log = logging.getLogger(__name__)
 

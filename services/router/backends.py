@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc import model_info
 from pdserve.rpc.server import CHANNEL_OPTIONS
-from services.router.errors import RouterError
+from pdserve.services.router.errors import RouterError
 
 log = logging.getLogger(__name__)
 

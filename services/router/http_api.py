@@ -30,9 +30,9 @@ from pdserve import metrics
 from pdserve.models.loading import ServedModel
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
-from services.router import openai_format as fmt
-from services.router.errors import RouterError, http_status
-from services.router.openai_schema import (
+from pdserve.services.router import openai_format as fmt
+from pdserve.services.router.errors import RouterError, http_status
+from pdserve.services.router.openai_schema import (
     MAX_BODY_BYTES,
     BadRequest,
     OpenAIRequest,
@@ -42,7 +42,7 @@ from services.router.openai_schema import (
 )
 
 if TYPE_CHECKING:  # server.py starts this front
-    from services.router.server import RouterServicer
+    from pdserve.services.router.server import RouterServicer
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pdserve.rpc import convert
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.router.backends import BackendSet, Instance
-from services.router.errors import RETRYABLE, RouterError
+from pdserve.services.router.backends import BackendSet, Instance
+from pdserve.services.router.errors import RETRYABLE, RouterError
 
 log = logging.getLogger(__name__)
 

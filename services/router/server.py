@@ -26,10 +26,10 @@ from pdserve.rpc.server import Admission, Server, run_until_signalled
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from services.router import http_api
-from services.router.backends import BackendSet, Instance
-from services.router.errors import RETRYABLE, HandoffFailed, RouterError
-from services.router.reservation import Inflight, Reservation, ReservationLine
+from pdserve.services.router import http_api
+from pdserve.services.router.backends import BackendSet, Instance
+from pdserve.services.router.errors import RETRYABLE, HandoffFailed, RouterError
+from pdserve.services.router.reservation import Inflight, Reservation, ReservationLine
 
 log = logging.getLogger(__name__)
 

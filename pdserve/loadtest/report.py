@@ -1,7 +1,7 @@
 """What a bench run reports: the summary text, the JSON document with the run's conditions, and
 PNG charts (matplotlib, imported only when a chart is asked for).
 
-The JSON document (schema "pdserve.bench/1"):
+The JSON document (schema "pdserve.loadtest/1"):
   conditions  model as the target reports it (GetModelInfo: name, architecture, dtype,
               fingerprint, shapes, KV bytes per token) and its parameter count where the client
               can count it, CPU, torch/Python/gRPC versions, target, workload, seed, rates,
@@ -19,12 +19,12 @@ import platform
 import sys
 from pathlib import Path
 
-from pdserve.bench.runner import RunOptions, RunResult
-from pdserve.bench.stats import summarize
-from pdserve.bench.workload import WorkloadSpec, format_rate
+from pdserve.loadtest.runner import RunOptions, RunResult
+from pdserve.loadtest.stats import summarize
+from pdserve.loadtest.workload import WorkloadSpec, format_rate
 from pdserve.core.config import ModelConfig
 
-SCHEMA = "pdserve.bench/1"
+SCHEMA = "pdserve.loadtest/1"
 METRICS = (
     ("ttft_seconds", "TTFT"),
     ("tpot_seconds", "TPOT"),
@@ -191,7 +191,7 @@ def conditions(
 
 def _command(argv: list[str]) -> str:
     if argv and argv[0].endswith(("__main__.py", "cli.py")):
-        argv = ["python", "-m", "pdserve.bench", *argv[1:]]
+        argv = ["python", "-m", "pdserve.loadtest", *argv[1:]]
     elif argv and Path(argv[0]).name == "pdserve":
         argv = ["pdserve", *argv[1:]]
     return " ".join(argv)

@@ -1,6 +1,6 @@
 """`pdserve bench`: the load-test client (see `pdserve bench --help`).
 
-pdserve/cli.py registers it with `add_bench(subparsers)`; `python -m pdserve.bench` runs it alone.
+pdserve/cli.py registers it with `add_bench(subparsers)`; `python -m pdserve.loadtest` runs it alone.
 """
 
 import argparse
@@ -311,8 +311,8 @@ def resolve(args: argparse.Namespace) -> dict:
 
 
 def build(args: argparse.Namespace):
-    from pdserve.bench.runner import RunOptions
-    from pdserve.bench.workload import LengthRange, WorkloadSpec
+    from pdserve.loadtest.runner import RunOptions
+    from pdserve.loadtest.workload import LengthRange, WorkloadSpec
 
     v = resolve(args)
     rates = parse_rates(str(v["rate"]))
@@ -346,7 +346,7 @@ def build(args: argparse.Namespace):
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from pdserve.bench import report
+    from pdserve.loadtest import report
 
     if args.from_json:
         loaded = [(Path(p), report.load_json(p)) for p in args.from_json]
@@ -361,7 +361,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
-    from pdserve.bench.runner import fetch_model_info, run_sweep
+    from pdserve.loadtest.runner import fetch_model_info, run_sweep
 
     started = dt.datetime.now(dt.timezone.utc)
     info, unavailable = asyncio.run(fetch_model_info(args.address))

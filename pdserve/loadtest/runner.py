@@ -22,8 +22,8 @@ from typing import Callable, TextIO
 
 import grpc
 
-from pdserve.bench.stats import RequestResult
-from pdserve.bench.workload import BenchRequest, WorkloadSpec, iter_requests
+from pdserve.loadtest.stats import RequestResult
+from pdserve.loadtest.workload import BenchRequest, WorkloadSpec, iter_requests
 from pdserve.rpc import model_info
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
