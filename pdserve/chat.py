@@ -10,6 +10,7 @@ import sys
 
 import grpc
 
+from pdserve.rpc.tls import client_channel
 from pdserve.client import printable
 from pdserve.settings import env
 from pdserve.v1 import pdserve_pb2 as pb
@@ -40,7 +41,7 @@ def add_chat(sub) -> None:
 
 
 def run_chat(args) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args.address) as channel:
         converse(pb_grpc.RouterServiceStub(channel), args)
     return 0
 

@@ -7,6 +7,7 @@ pdserve chat                                    a conversation in the terminal
 pdserve health ADDRESS                          exit 0 when a service reports SERVING
 pdserve bench --preset chapter                  load test: latency percentiles, goodput, handoff
 pdserve handoff-table                           what one request's KV cache costs to move
+pdserve certs DIR                               a development CA and a certificate per role
 """
 
 import argparse
@@ -97,7 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
     table = sub.add_parser("handoff-table", help="what one request's KV cache costs to move")
     handoff_table.add_arguments(table)
     table.set_defaults(func=handoff_table.run)
+    certs = sub.add_parser(
+        "certs",
+        help="write a development CA and one certificate per role (router, prefill, decode, "
+        "client) for mutual TLS; docs/security.md",
+    )
+    certs.add_argument("directory", help="where to write ca.pem, <role>.pem and <role>-key.pem")
+    certs.add_argument(
+        "--readable-keys",
+        action="store_true",
+        help="keys readable by every user (0644): for containers that run as another user",
+    )
+    certs.set_defaults(func=_run_certs)
     return parser
+
+
+def _run_certs(args) -> int:
+    from pdserve.certs import make_dev_certs
+
+    out = make_dev_certs(args.directory, readable_keys=args.readable_keys)
+    print(f"wrote a development CA and certificates for router, prefill, decode, client to {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.rpc.tls import client_channel
 from pdserve.settings import env
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -65,7 +66,7 @@ def request_from_args(args) -> pb.GenerateRequest:
 
 
 def run_generate(args) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with client_channel(args.address) as channel:
         stub = pb_grpc.RouterServiceStub(channel)
         try:
             for response in stub.Generate(request_from_args(args), timeout=args.timeout):
@@ -105,8 +106,9 @@ def add_health(sub) -> None:
     p.set_defaults(func=run_health)
 
 
-def check_health(address: str, timeout: float) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def check_health(address: str, timeout: float, channel_factory=None) -> bool:
+    """SERVING or not; the channel from `channel_factory(address)`, else client_channel."""
+    with (channel_factory or client_channel)(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout

@@ -11,7 +11,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from pdserve.client import check_health
+from pdserve.rpc.tls import Tls
 
 START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 15.0
@@ -93,11 +96,27 @@ def start_service(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     service = Service(role, port, proc, log_path, http_port)
-    up = (lambda: check_health(service.address, 1.0)) if ready else (lambda: _listening(port))
+    channel = _health_channel(flags)
+    up = (
+        (lambda: check_health(service.address, 1.0, channel))
+        if ready
+        else (lambda: _listening(port))
+    )
     wait_until(lambda: proc.poll() is not None or up(), START_TIMEOUT_SECONDS, f"{role} to serve")
     if proc.poll() is not None:
         raise RuntimeError(f"{role} exited during start-up:\n{service.log()}")
     return service
+
+
+def _health_channel(flags):
+    """How to reach the service's health check: with the TLS files its flags name, if any."""
+    named = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--tls-")}
+    tls = Tls.load(
+        named.get("--tls-cert", ""), named.get("--tls-key", ""), named.get("--tls-ca", "")
+    )
+    if tls is None:
+        return grpc.insecure_channel
+    return lambda address: grpc.secure_channel(address, tls.channel_credentials())
 
 
 def _listening(port: int) -> bool:

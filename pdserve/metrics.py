@@ -102,11 +102,12 @@ STEP_SECONDS = Histogram(
 )
 
 
-def start(port: int) -> None:
-    """Serves /metrics over HTTP on `port` (0: no endpoint)."""
+def start(port: int, host: str = "127.0.0.1") -> None:
+    """Serves /metrics over HTTP on host:port (0: no endpoint): the service's own address, so a
+    service kept on loopback keeps its metrics there too."""
     if port:
-        start_http_server(port)
-        log.info("metrics on http://0.0.0.0:%d/metrics", port)
+        start_http_server(port, addr=host)
+        log.info("metrics on http://%s:%d/metrics", host, port)
 
 
 def record_handoff(service: str, seconds: float, nbytes: int) -> None:

@@ -59,7 +59,11 @@ class CommonSettings:
     dtype: str = setting(
         "", "weights and KV dtype: bfloat16, float16 or float32; empty for the checkpoint's own"
     )
-    host: str = setting("0.0.0.0", "address to listen on")
+    host: str = setting(
+        "127.0.0.1",
+        "address to listen on (gRPC, metrics and the KV data plane); 0.0.0.0 for every "
+        "interface, which needs --tls-* or --insecure",
+    )
     port: int = setting(0, "gRPC port, 0 picks a free one")
     metrics_port: int = setting(0, "Prometheus /metrics HTTP port, 0 for none")
     instance: str = setting("", "name in logs and responses; empty for role@host:port")
@@ -73,6 +77,14 @@ class CommonSettings:
     )
     torch_threads: int = setting(0, "threads for torch; 0 for one per CPU the service may use")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    tls_cert: str = setting("", "PEM certificate of this service's role (pdserve certs makes them)")
+    tls_key: str = setting("", "PEM private key of --tls-cert")
+    tls_ca: str = setting(
+        "", "PEM CA that signs every peer; with --tls-cert and --tls-key, turns on mutual TLS"
+    )
+    insecure: bool = setting(
+        False, "allow plaintext on an address other than loopback (a warning names the port)"
+    )
     # Not a flag: fault injection is for tests only and must never be on by accident.
     faults: Faults = field(default_factory=Faults)  # PDSERVE_FAULTS
 
@@ -387,13 +399,15 @@ def _help(f: Field, default, raw: str | None, listed: bool) -> str:
 def _argument(kind, f: Field, default) -> dict:
     """add_argument options for one setting; the variable, when set, replaces the default."""
     raw, listed = _raw_env(env_name(f)), kind == list[str]
-    options = {
+    options: dict[str, object] = {
         "dest": _dest(f),
         "metavar": _dest(f).upper(),
         "help": _help(f, default, raw, listed),
     }
     if listed:  # comma-separated in the variable, separate words on the command line
         return options | {"nargs": "+", "default": default if raw is None else _split(raw)}
+    if kind is bool:  # --insecure alone means true; --insecure false is accepted too
+        options |= {"nargs": "?", "const": True}
     # A text default is converted by argparse only when the flag is absent, so a bad variable is
     # an error (exit 2, with usage) only for the command that uses it, and a flag overrides it.
     return options | {

@@ -163,6 +163,13 @@ docker images --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$PDSERVE_IMAGE"
 phase up
 
 # ------------------------------------------------------------------ up
+# Mutual TLS between the containers, as the compose file has it by default: fresh development
+# certificates for this run (keys readable: the containers run as another user than root).
+export PDSERVE_CERTS_DIR="$LOGS/certs"
+"$ROOT/.venv/bin/pdserve" certs "$PDSERVE_CERTS_DIR" --readable-keys >/dev/null
+chmod 755 "$LOGS"
+# The host-side clients below reach the router over TLS with the same CA.
+export PDSERVE_TLS_CA="$PDSERVE_CERTS_DIR/ca.pem"
 STACK_UP=1
 # up -d returns once prefill and decode are healthy (the router depends on that) or fails.
 quiet up 400 "${COMPOSE[@]}" up -d --no-build
@@ -201,7 +208,9 @@ from pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc as pb_grpc
 
 address, count, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompts = ["The quick brown fox", "Disaggregated prefill and decode " * 4, "hello"]
-with grpc.insecure_channel(address) as channel:
+from pdserve.rpc.tls import client_channel  # TLS with PDSERVE_TLS_CA, as the router serves
+
+with client_channel(address) as channel:
     grpc.channel_ready_future(channel).result(timeout=30)
     stub = pb_grpc.RouterServiceStub(channel)
     for i in range(count):

@@ -16,6 +16,7 @@ tensors' byte views), so it makes none.
 import asyncio
 import logging
 import socket
+import ssl
 import struct
 
 from pdserve.faults import Faults
@@ -46,10 +47,16 @@ class DataPlaneServer:
         self._server: asyncio.Server | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listens; with an ssl context, only peers with a certificate of the prefill role may
+        send (any other is refused PERMISSION_DENIED before a byte of KV is read)."""
         loop = asyncio.get_running_loop()
+        tls = ssl_context is not None
         self._server = await loop.create_server(
-            lambda: _Connection(self._receiver, self._idle_timeout), host, port
+            lambda: _Connection(self._receiver, self._idle_timeout, tls),
+            host,
+            port,
+            ssl=ssl_context,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -63,8 +70,8 @@ class DataPlaneServer:
 class _Connection(asyncio.BufferedProtocol):
     """Reads length-prefixed frames straight into a buffer it reuses (no copy of its own)."""
 
-    def __init__(self, receiver: KvReceiver, idle_timeout: float) -> None:
-        self._receiver, self._idle_timeout = receiver, idle_timeout
+    def __init__(self, receiver: KvReceiver, idle_timeout: float, tls: bool) -> None:
+        self._receiver, self._idle_timeout, self._tls = receiver, idle_timeout, tls
         self._stream = KvStream("tcp")
         self._buffer = bytearray(LENGTH.size)
         self._need, self._filled, self._in_length = LENGTH.size, 0, True
@@ -76,6 +83,13 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = transport
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._rearm_idle()
+        if self._tls:
+            role = role_of_peercert(transport.get_extra_info("peercert"))
+            if role != "prefill":
+                self._refuse(
+                    "PERMISSION_DENIED",
+                    f"only the prefill role may send KV; this peer's certificate says {role!r}",
+                )
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self._buffer)[self._filled : self._need]
@@ -139,47 +153,65 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class TcpKvSink(KvSink):
-    """Prefill's side: one connection per lease, opened with connect() before the transfer."""
+    """Prefill's side: one connection per lease, opened with connect() before the transfer.
+
+    Plaintext, it writes the tensors' own memory with sendmsg. Over TLS (an ssl context from
+    --tls-*), it writes through an asyncio stream, which encrypts: a copy the cipher makes anyway.
+    """
 
     transport = "tcp"
 
-    def __init__(self, target: KvTarget, faults: Faults, host: str, port: int) -> None:
+    def __init__(
+        self,
+        target: KvTarget,
+        faults: Faults,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(target, faults)
         self.address = f"{host}:{port}"
-        self._host, self._port = host, port
+        self._host, self._port, self._ssl = host, port, ssl_context
         self._sock: socket.socket | None = None
+        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def connect(self, timeout: float) -> None:
-        """Raises OSError (or TimeoutError) when the data plane cannot be reached."""
-        loop = asyncio.get_running_loop()
+        """Raises OSError (or TimeoutError) when the data plane cannot be reached, or its
+        certificate is not decode's."""
         async with asyncio.timeout(timeout):
-            family, _, _, _, address = (
-                await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
-            )[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-            try:
-                await loop.sock_connect(sock, address)
-            except BaseException:
-                sock.close()
-                raise
-        self._sock = sock
+            if self._ssl is not None:
+                self._stream = await asyncio.open_connection(
+                    self._host, self._port, ssl=self._ssl, server_hostname="decode"
+                )
+                return
+            self._sock = await _connect_plain(self._host, self._port)
 
     async def send(self, timeout: float | None) -> Committed:
-        assert self._sock is not None, "connect() first"
+        assert self._sock is not None or self._stream is not None, "connect() first"
         try:
             async with asyncio.timeout(timeout):
-                return await self._transfer(self._sock)
+                if self._stream is not None:
+                    reader, writer = self._stream
+                    return await self._transfer(
+                        _read_reply_from(reader), self._send_all_tls(writer)
+                    )
+                assert self._sock is not None
+                return await self._transfer(_read_reply(self._sock), self._send_all(self._sock))
         except TimeoutError:
             raise KvTransferFailed("DEADLINE_EXCEEDED", "KV transfer timed out") from None
         finally:
-            self._sock.close()
+            self.close()
 
-    async def _transfer(self, sock: socket.socket) -> Committed:
-        reply = asyncio.ensure_future(_read_reply(sock))
-        sending = asyncio.ensure_future(self._send_all(sock))
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self._stream is not None:
+            self._stream[1].close()
+
+    async def _transfer(self, read_reply, send_all) -> Committed:
+        """Sends everything while watching for decode's reply, which may come early (a refusal)."""
+        reply = asyncio.ensure_future(read_reply)
+        sending = asyncio.ensure_future(send_all)
         try:
             await asyncio.wait({reply, sending}, return_when=asyncio.FIRST_COMPLETED)
             if not reply.done():
@@ -200,9 +232,49 @@ class TcpKvSink(KvSink):
     async def _send_all(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         async for item in self.items():
-            parts = frames.message_parts(item)
-            size = sum(memoryview(part).nbytes for part in parts)
-            await _send_parts(loop, sock, [LENGTH.pack(size), *parts])
+            parts = _framed(item)
+            await _send_parts(loop, sock, parts)
+
+    async def _send_all_tls(self, writer: asyncio.StreamWriter) -> None:
+        async for item in self.items():
+            writer.writelines(_framed(item))
+            await writer.drain()
+
+
+def _framed(item) -> list:
+    parts = frames.message_parts(item)
+    return [LENGTH.pack(sum(memoryview(part).nbytes for part in parts)), *parts]
+
+
+def role_of_peercert(peercert: dict | None) -> str | None:
+    """The common name, which names the role, of a certificate as Python's ssl module gives it."""
+    for rdn in (peercert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return value
+    return None
+
+
+async def _connect_plain(host: str, port: int) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    family, _, _, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    try:
+        await loop.sock_connect(sock, address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _read_reply_from(reader: asyncio.StreamReader) -> pb.DataPlaneReply:
+    (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    if length > 1 << 16:
+        raise OSError(f"reply of {length} bytes")
+    return pb.DataPlaneReply.FromString(await reader.readexactly(length))
 
 
 async def _send_parts(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list) -> None:
@@ -257,6 +329,7 @@ def _to_pb(committed: Committed) -> pb.PushKvResponse:
 _CODES = {
     "INVALID_ARGUMENT": 3,
     "DEADLINE_EXCEEDED": 4,
+    "PERMISSION_DENIED": 7,
     "FAILED_PRECONDITION": 9,
     "UNAVAILABLE": 14,
 }  # google.rpc.Code numbers

@@ -11,6 +11,8 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.rpc.tls import RoleInterceptor, Tls, check_plaintext_allowed, target_name_option
+
 log = logging.getLogger(__name__)
 
 # Bounds every message: KV chunks are at most ~1 MiB, requests far smaller.
@@ -70,17 +72,35 @@ def instance_name(role: str, host: str, port: int) -> str:
 
 
 class Server:
-    """A grpc.aio server with the standard health service; `set_serving` flips its status."""
+    """A grpc.aio server with the standard health service; `set_serving` flips its status.
 
-    def __init__(self, host: str, port: int) -> None:
-        self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS)
+    With `tls`, it listens with TLS; `internal` servers (prefill, decode) also demand a client
+    certificate and check each internal method's caller role. Without, plaintext, which only
+    loopback or --insecure allows."""
+
+    def __init__(
+        self, host: str, port: int, tls: Tls | None, internal: bool, insecure: bool = False
+    ) -> None:
+        interceptors = [RoleInterceptor()] if tls and internal else []
+        self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         self.health = (
             health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if tls is None:
+            check_plaintext_allowed(host, insecure, f"gRPC port {address}")
+            self.port = self.grpc.add_insecure_port(address)
+        else:
+            creds = tls.server_credentials(require_client_auth=internal)
+            self.port = self.grpc.add_secure_port(address, creds)
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {address}")
+
+    @classmethod
+    def for_settings(cls, common, internal: bool) -> "Server":
+        tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
+        return cls(common.host, common.port, tls, internal, common.insecure)
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -91,6 +111,15 @@ class Server:
         result = self.health.set("", status)
         if asyncio.iscoroutine(result):
             await result
+
+
+def channel_to(address: str, tls: Tls | None, role: str) -> grpc.aio.Channel:
+    """A channel to an instance of `role`: mutual TLS when this service has certificates (the
+    peer verified as `role`), plaintext when it has none."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + target_name_option(role)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def emission_queue() -> tuple[asyncio.Queue, Callable[[object], None]]:

@@ -125,12 +125,12 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
 
 
 async def serve(served: ServedModel, settings: ColocatedSettings) -> None:
-    server = Server(settings.common.host, settings.common.port)
+    server = Server.for_settings(settings.common, internal=False)
     instance = settings.common.instance or instance_name(
         "colocated", settings.common.host, server.port
     )
     servicer = ColocatedServicer(served, settings, instance)
-    metrics.start(settings.common.metrics_port)
+    metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.watch_pool(
         "colocated",
         lambda: servicer.engine.pool.available_blocks,

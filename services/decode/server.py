@@ -26,6 +26,7 @@ from pdserve.rpc.server import (
     instance_name,
     run_until_signalled,
 )
+from pdserve.rpc.tls import Tls, check_plaintext_allowed
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.decode.engine import DecodeEngine
@@ -182,12 +183,12 @@ class DecodeServicer:
 
 
 async def serve(served: ServedModel, settings: DecodeSettings) -> None:
-    server = Server(settings.common.host, settings.common.port)
+    server = Server.for_settings(settings.common, internal=True)
     instance = settings.common.instance or instance_name(
         "decode", settings.common.host, server.port
     )
     servicer = DecodeServicer(served, settings, instance)
-    metrics.start(settings.common.metrics_port)
+    metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.watch_pool(
         "decode",
         lambda: servicer.engine.pool.available_blocks,
@@ -220,7 +221,12 @@ async def _start_data_plane(
         return None
     # A connection that goes quiet is closed after as long as a lease may wait for its KV.
     plane = DataPlaneServer(servicer.receiver, idle_timeout=settings.lease_ttl_seconds)
-    port = await plane.start(settings.common.host, settings.kv_data_port)
+    common = settings.common
+    tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
+    if tls is None:
+        check_plaintext_allowed(common.host, common.insecure, "KV data plane")
+    ssl_context = tls.server_context() if tls else None
+    port = await plane.start(common.host, settings.kv_data_port, ssl_context)
     servicer.data_endpoints = [pb.DataEndpoint(transport="tcp", port=port)]
     log.info("KV data plane (tcp) listening on %s:%d", settings.common.host, port)
     return plane

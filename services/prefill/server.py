@@ -20,12 +20,13 @@ from pdserve.kv.tcp_transport import TcpKvSink
 from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
 from pdserve.rpc.server import (
-    CHANNEL_OPTIONS,
     Admission,
     Server,
+    channel_to,
     instance_name,
     run_until_signalled,
 )
+from pdserve.rpc.tls import Tls
 from pdserve.settings import PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -52,6 +53,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.broken: str | None = None  # why the engine loop failed, once it has
         self.on_broken: Callable[[], None] = lambda: None
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        common = settings.common
+        self.tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
         self.admission = Admission()
 
     def _step(self) -> None:
@@ -85,7 +88,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """RESOURCE_EXHAUSTED, naming the limit, rather than a queue that grows without bound."""
         s = self.settings
         if self.admission.in_flight >= s.max_concurrent_prefills:
-            why = f"{self.admission.in_flight} Prefill calls in progress (--max-concurrent-prefills)"
+            why = (
+                f"{self.admission.in_flight} Prefill calls in progress (--max-concurrent-prefills)"
+            )
         elif self.scheduler.queued_tokens + len(request.prompt_token_ids) > (
             s.max_queued_prompt_tokens
         ):
@@ -161,7 +166,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         endpoint = next((e for e in request.data_endpoints if e.transport == "tcp"), None)
         if mode != "grpc" and endpoint is not None:
             host = endpoint.host or _host_of(request.decode_address)
-            sink = TcpKvSink(target, faults, host, endpoint.port)
+            sink = TcpKvSink(
+                target, faults, host, endpoint.port, self.tls.client_context() if self.tls else None
+            )
             try:
                 await sink.connect(DATA_PLANE_CONNECT_SECONDS)
                 return sink
@@ -218,9 +225,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             if len(self._decode_channels) >= MAX_DECODE_CHANNELS:  # forget the oldest address
                 oldest = self._decode_channels.pop(next(iter(self._decode_channels)))
                 asyncio.ensure_future(oldest.close(grace=30))
-            self._decode_channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS
-            )
+            self._decode_channels[address] = channel_to(address, self.tls, "decode")
         return self._decode_channels[address]
 
 
@@ -263,12 +268,12 @@ def _host_of(address: str) -> str:
 
 
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:
-    server = Server(settings.common.host, settings.common.port)
+    server = Server.for_settings(settings.common, internal=True)
     instance = settings.common.instance or instance_name(
         "prefill", settings.common.host, server.port
     )
     servicer = PrefillServicer(served, settings, instance)
-    metrics.start(settings.common.metrics_port)
+    metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server.grpc)
     model_info.add_to_server(served, server.grpc)

@@ -18,7 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc import model_info
-from pdserve.rpc.server import CHANNEL_OPTIONS
+from pdserve.rpc.server import channel_to
+from pdserve.rpc.tls import Tls
 from pdserve.services.router.errors import RouterError
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,10 @@ class BackendSet(Generic[StubT]):
         make_stub: Callable[[grpc.aio.Channel], StubT],
         model_fingerprint: str,
         model_identity: str,
+        tls: Tls | None = None,
     ):
         self.role, self.targets, self._make_stub = role, targets, make_stub
+        self._tls = tls
         self.model_fingerprint, self._model_identity = model_fingerprint, model_identity
         self.instances: dict[str, Instance[StubT]] = {}
         self._turn = itertools.count()
@@ -92,7 +95,7 @@ class BackendSet(Generic[StubT]):
             log.info("%s instance %s removed", self.role, gone)
             await self.instances.pop(gone).channel.close()
         for address in addresses - set(self.instances):
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = channel_to(address, self._tls, self.role)
             self.instances[address] = Instance(address, channel, self._make_stub(channel))
         await asyncio.gather(*(self._check(i) for i in list(self.instances.values())))
 

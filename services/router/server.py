@@ -22,6 +22,7 @@ from pdserve import metrics
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert, model_info, reflection
+from pdserve.rpc.tls import Tls
 from pdserve.rpc.server import Admission, Server, run_until_signalled
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
@@ -40,12 +41,15 @@ RETRY_BACKOFF_SECONDS = 0.05
 class RouterServicer(pb_grpc.RouterServiceServicer):
     def __init__(self, served: ServedModel, settings: RouterSettings) -> None:
         self.served, self.config, self.settings = served, served.config, settings
+        common = settings.common
+        tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
         self.prefills = BackendSet(
             "prefill",
             settings.prefill,
             pb_grpc.PrefillServiceStub,
             served.fingerprint,
             served.identity,
+            tls,
         )
         self.decodes = BackendSet(
             "decode",
@@ -53,6 +57,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             pb_grpc.DecodeServiceStub,
             served.fingerprint,
             served.identity,
+            tls,
         )
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
@@ -329,12 +334,12 @@ def _failed(call: asyncio.Future) -> bool:
 
 
 async def serve(served: ServedModel, settings: RouterSettings) -> None:
-    server = Server(settings.common.host, settings.common.port)
+    server = Server.for_settings(settings.common, internal=False)
     servicer = RouterServicer(served, settings)
     pb_grpc.add_RouterServiceServicer_to_server(servicer, server.grpc)
     model_info.add_to_server(served, server.grpc)
     reflection.enable(server.grpc, "RouterService", "ModelInfoService")
-    metrics.start(settings.common.metrics_port)
+    metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
     http = await http_api.start(servicer, served, settings) if settings.http_port else None
