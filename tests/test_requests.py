@@ -127,6 +127,14 @@ BAD_REQUESTS = {
         pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=4, top_k=-1)),
         "top_k",
     ),
+    "request_id forging a log line": (
+        pb.GenerateRequest(
+            request_id="r1\n2026-11-30 INFO router: forged",
+            prompt="a",
+            sampling=pb.SamplingParams(max_tokens=4),
+        ),
+        "printable ASCII",
+    ),
 }
 
 

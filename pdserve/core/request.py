@@ -71,6 +71,9 @@ def validate(spec: GenerateSpec, config: ModelConfig) -> GenerateSpec:
 def _check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+    # It goes into log lines and status details: a newline in it would forge a log line.
+    if not all(" " <= c <= "~" for c in request_id):
+        raise InvalidRequest("request_id must be printable ASCII (no control characters)")
 
 
 def _check_tokens(token_ids: tuple[int, ...], config: ModelConfig) -> None:
