@@ -121,6 +121,8 @@ def start_in(ns: str, log_dir: str, role: str, port: int, *flags: str) -> subpro
         str(port),
         "--torch-threads",
         "1",
+        # Plaintext beyond loopback, on purpose: the link joins two namespaces this script made.
+        "--insecure",
         *flags,
     ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
