@@ -130,6 +130,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=env("ADDRESS", "127.0.0.1:50051"),
         help="Router (or colocated engine) host:port (PDSERVE_ADDRESS; default %(default)s)",
     )
+    p.add_argument(
+        "--endpoint",
+        choices=["grpc", "openai-completions", "openai-chat"],
+        default="grpc",
+        help="what to drive: the gRPC RouterService at --address (default), or the router's "
+        "OpenAI-compatible HTTP API at --http-url (PDSERVE_API_KEY, if set, is sent as the key)",
+    )
+    p.add_argument(
+        "--http-url",
+        metavar="URL",
+        default=env("HTTP_URL", "http://127.0.0.1:8000/v1"),
+        help="base URL of the HTTP API (PDSERVE_HTTP_URL; default %(default)s)",
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named workload (see below)")
     p.add_argument(
         "--label",
@@ -335,6 +348,8 @@ def build(args: argparse.Namespace):
         args.temperature,
         args.ignore_eos,
         v["warmup"],
+        args.endpoint,
+        args.http_url,
     )
     if (
         options.num_requests is None

@@ -13,6 +13,7 @@ finished. With a concurrency cap a request waits for a free slot; the wait shows
 """
 
 import asyncio
+import contextlib
 import math
 import os
 import sys
@@ -20,8 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
+import aiohttp
 import grpc
 
+from pdserve.loadtest import openai_client
 from pdserve.loadtest.stats import RequestResult
 from pdserve.loadtest.workload import BenchRequest, WorkloadSpec, iter_requests
 from pdserve.rpc import model_info
@@ -48,6 +51,8 @@ class RunOptions:
     temperature: float = 0.0
     ignore_eos: bool = True
     warmup: int = 0  # requests sent one at a time before the measured run, not recorded
+    endpoint: str = "grpc"  # or openai-completions / openai-chat: the router's HTTP API
+    http_url: str = "http://127.0.0.1:8000/v1"  # base URL of the HTTP API, for those
 
     def __post_init__(self) -> None:
         if self.num_requests is None and self.duration is None:
@@ -275,14 +280,10 @@ async def run_rate(
     if options.num_requests is None and math.isinf(spec.rate) and options.concurrency is None:
         raise ValueError("an infinite rate for a duration needs a concurrency cap")
     tag = f"bench-s{spec.seed}-r{spec.rate:g}"
-    async with grpc.aio.insecure_channel(options.address) as channel:
-        await _connect(channel, options.address)
-        stub = pb_grpc.RouterServiceStub(channel)
+    async with _sender(options) as send:
         notes = []
         for request in list(_take(spec, options.warmup, None)):
-            warm = await send_one(
-                stub, request, f"{tag}-warmup-{request.index}", options, time.perf_counter(), 0.0
-            )
+            warm = await send(request, f"{tag}-warmup-{request.index}", time.perf_counter(), 0.0)
             if not warm.ok:
                 notes.append(f"warm-up request {request.index} failed: {warm.status} {warm.error}")
         progress = Progress(
@@ -299,9 +300,7 @@ async def run_rate(
 
         async def one(request: BenchRequest) -> RequestResult:
             try:
-                r = await send_one(
-                    stub, request, f"{tag}-{request.index}", options, t0, request.arrival
-                )
+                r = await send(request, f"{tag}-{request.index}", t0, request.arrival)
             finally:
                 if slots is not None:
                     slots.release()
@@ -336,6 +335,37 @@ async def run_rate(
     return RunResult(
         spec, results, duration, started_unix, options.warmup, notes, load_before, _load()
     )
+
+
+@contextlib.asynccontextmanager
+async def _sender(options: RunOptions):
+    """send(request, request_id, t0, scheduled) -> RequestResult, over gRPC or the HTTP API."""
+    if options.endpoint == "grpc":
+        async with grpc.aio.insecure_channel(options.address) as channel:
+            await _connect(channel, options.address)
+            stub = pb_grpc.RouterServiceStub(channel)
+            yield lambda request, rid, t0, at: send_one(stub, request, rid, options, t0, at)
+        return
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0)  # the workload, not the client, caps concurrency
+    ) as session:
+
+        async def send(request, request_id, t0, scheduled) -> RequestResult:
+            result = RequestResult(
+                request.index, request_id, request.prompt_len, request.max_tokens, scheduled
+            )
+            result.sent = time.perf_counter() - t0
+            body = openai_client.payload(
+                options.endpoint, request, options.temperature, options.ignore_eos
+            )
+            await openai_client.send_one_http(
+                session, options.http_url, options.endpoint, body, result, options.timeout
+            )
+            if result.ok and not result.finish_reason:
+                result.status, result.error = "CLIENT_ERROR", "the stream ended without finishing"
+            return result
+
+        yield send
 
 
 def _load() -> float | None:
