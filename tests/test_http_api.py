@@ -8,6 +8,7 @@ cannot send what a test needs: malformed bodies and wrong content types.
 import json
 import shutil
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -335,6 +336,31 @@ def test_no_backend_is_503(stack, prefill_down):
     assert sdk.value.status_code == 503
     assert sdk.value.body["type"] == "service_unavailable"
     assert "prefill" in sdk.value.message
+
+
+@pytest.fixture(scope="module")
+def decode_down(_session_stack, tmp_path_factory):
+    """A router whose only decode address has nothing behind it (its prefill is real)."""
+    router = start_service(
+        "router",
+        "--prefill",
+        _session_stack.prefills[0].address,
+        "--decode",
+        f"127.0.0.1:{free_port()}",
+        tmp_dir=str(tmp_path_factory.mktemp("decode-down")),
+        ready=False,
+    )
+    wait_until(lambda: _http_up(router.http_port), 30, "the router's HTTP port")
+    yield router
+    router.stop()
+
+
+def test_no_decode_up_is_503_at_once_not_a_wait_in_line(stack, decode_down):
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as sdk:
+        client(decode_down.http_url).completions.create(model="tinygpt", prompt="a", max_tokens=2)
+    assert sdk.value.status_code == 503 and "no decode instance is up" in sdk.value.message
+    assert time.monotonic() - started < 10  # not the 30 s queue timeout
 
 
 def test_deadline_is_504(stack, tmp_path):

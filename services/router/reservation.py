@@ -27,6 +27,10 @@ MAX_BACKOFF_SECONDS = 0.1
 RESERVE_TIMEOUT_SECONDS = 5.0  # a healthy decode answers a reservation in about a millisecond
 
 
+class _Unreachable(Exception):
+    """A decode instance that could not be reached for a reservation (it was marked down)."""
+
+
 @dataclass
 class Inflight:
     """One request as the router carries it: what was asked, when, and until when."""
@@ -61,7 +65,8 @@ class ReservationLine:
     async def reserve(self, inflight: Inflight, avoid: set[str]) -> Reservation:
         """A lease from the first decode instance with room. While none has room, requests wait
         in line, first come first served, bounded in number and time; only the head of the
-        line polls decode, so a full pool is not hammered by every waiting request."""
+        line polls decode, so a full pool is not hammered by every waiting request. When no
+        decode instance can be reached at all there is nothing to wait for: UNAVAILABLE."""
         if self.queued == 0:
             reservation = await self._try_all(inflight, avoid)
             if reservation is not None:
@@ -101,10 +106,23 @@ class ReservationLine:
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
     async def _try_all(self, inflight: Inflight, avoid: set[str]) -> Reservation | None:
-        for decode in self._decodes.ordered(avoid):
-            reservation = await self._try_reserve(decode, inflight)
+        """A reservation, or None while every instance reached is full. UNAVAILABLE when none
+        could be reached: waiting in line for room would then only delay the failure."""
+        instances = self._decodes.ordered(avoid)
+        unreachable = 0
+        for decode in instances:
+            try:
+                reservation = await self._try_reserve(decode, inflight)
+            except _Unreachable:
+                unreachable += 1
+                continue
             if reservation is not None:
                 return reservation
+        if unreachable == len(instances):
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no decode instance is up ({len(instances)} known, none could be reached)",
+            )
         return None
 
     def _no_room(self, inflight: Inflight, give_up: float) -> RouterError:
@@ -163,7 +181,8 @@ class ReservationLine:
                 )
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._decodes.mark_down(decode)
-            elif exc.code() not in RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
+                raise _Unreachable() from None
+            if exc.code() not in RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}:
                 raise RouterError(exc.code(), f"decode {decode.address}: {exc.details()}")
             return None  # full, down or failing: try the next instance
         if event is grpc.aio.EOF or not event.HasField("lease"):
