@@ -85,6 +85,9 @@ class CommonSettings:
     insecure: bool = setting(
         False, "allow plaintext on an address other than loopback (a warning names the port)"
     )
+    max_concurrent_rpcs: int = setting(
+        1024, "calls this service runs at once; beyond it gRPC answers RESOURCE_EXHAUSTED"
+    )
     # Not a flag: fault injection is for tests only and must never be on by accident.
     faults: Faults = field(default_factory=Faults)  # PDSERVE_FAULTS
 

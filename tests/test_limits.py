@@ -74,3 +74,28 @@ def test_a_push_to_a_decode_that_never_reads_ends_by_the_servers_own_bound(prefi
             assert time.monotonic() - started < 10
     finally:
         listener.close()
+
+
+def test_calls_beyond_max_concurrent_rpcs_are_refused(tmp_path):
+    decode = start_service(
+        "decode", "--torch-threads", "1", "--max-concurrent-rpcs", "1", tmp_dir=str(tmp_path)
+    )
+    try:
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            held = stub.Decode(  # a reservation: one call that stays open
+                pb.DecodeRequest(
+                    request_id="hold",
+                    prompt_token_ids=[1, 2, 3],
+                    sampling=pb.SamplingParams(max_tokens=2),
+                    model_fingerprint=MODEL,
+                ),
+                timeout=30,
+            )
+            next(held)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            held.cancel()
+    finally:
+        decode.stop()

@@ -26,6 +26,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+# Connections that no caller uses are closed, and clients may not ping more often than every
+# 10 s without calls: neither idle sockets nor ping floods can pile up on a server.
+SERVER_ONLY_OPTIONS = [
+    ("grpc.max_connection_idle_ms", 5 * 60 * 1000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10 * 1000),
+    ("grpc.http2.max_ping_strikes", 2),
+]
+
 
 class Admission:
     """Counts requests in flight, and refuses new ones once draining has begun."""
@@ -79,10 +87,20 @@ class Server:
     loopback or --insecure allows."""
 
     def __init__(
-        self, host: str, port: int, tls: Tls | None, internal: bool, insecure: bool = False
+        self,
+        host: str,
+        port: int,
+        tls: Tls | None,
+        internal: bool,
+        insecure: bool = False,
+        max_concurrent_rpcs: int | None = None,
     ) -> None:
         interceptors = [RoleInterceptor()] if tls and internal else []
-        self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+        self.grpc = grpc.aio.server(
+            options=CHANNEL_OPTIONS + SERVER_ONLY_OPTIONS,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
         self.health = (
             health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         )
@@ -100,7 +118,9 @@ class Server:
     @classmethod
     def for_settings(cls, common, internal: bool) -> "Server":
         tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
-        return cls(common.host, common.port, tls, internal, common.insecure)
+        return cls(
+            common.host, common.port, tls, internal, common.insecure, common.max_concurrent_rpcs
+        )
 
     async def set_serving(self, serving: bool) -> None:
         status = (
