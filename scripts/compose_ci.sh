@@ -187,6 +187,12 @@ wait_healthy() {  # $1: seconds; every container of the project healthy (or runn
   done
 }
 wait_healthy 180 || fail "services not healthy in time"
+# Least privilege, as the compose file asks: read-only root, no capabilities, no privilege gain.
+for svc in router prefill decode; do
+  hard=$(docker inspect --format '{{.HostConfig.ReadonlyRootfs}} {{.HostConfig.CapDrop}} {{.HostConfig.SecurityOpt}}' "$("${COMPOSE[@]}" ps -q "$svc")")
+  [[ "$hard" == "true [ALL] [no-new-privileges:true]" ]] || fail "$svc is not locked down: $hard"
+done
+echo "  hardening: read-only root, cap_drop ALL, no-new-privileges on router, prefill, decode"
 if [[ -n "${PDSERVE_DECODE_CPUSET:-}" ]]; then
   # The cpuset reached the container, and decode's threads followed it.
   cpuset=$(docker inspect --format '{{.HostConfig.CpusetCpus}}' "$("${COMPOSE[@]}" ps -q decode)")
