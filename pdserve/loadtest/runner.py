@@ -28,6 +28,7 @@ from pdserve.loadtest import openai_client
 from pdserve.loadtest.stats import RequestResult
 from pdserve.loadtest.workload import BenchRequest, WorkloadSpec, iter_requests
 from pdserve.rpc import model_info
+from pdserve.rpc.tls import aio_client_channel
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -248,7 +249,7 @@ async def fetch_model_info(
     a target without the call (an older server, another implementation of the Router API) still
     gets benchmarked, and the reason goes into the conditions instead.
     """
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_client_channel(address) as channel:
         try:
             info = await model_info.fetch(channel, timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
@@ -341,7 +342,7 @@ async def run_rate(
 async def _sender(options: RunOptions):
     """send(request, request_id, t0, scheduled) -> RequestResult, over gRPC or the HTTP API."""
     if options.endpoint == "grpc":
-        async with grpc.aio.insecure_channel(options.address) as channel:
+        async with aio_client_channel(options.address) as channel:
             await _connect(channel, options.address)
             stub = pb_grpc.RouterServiceStub(channel)
             yield lambda request, rid, t0, at: send_one(stub, request, rid, options, t0, at)

@@ -85,21 +85,33 @@ class Tls:
 
 
 def client_channel(address: str) -> grpc.Channel:
-    """A blocking channel for the command-line clients (generate, chat, health, bench): TLS when
+    """A blocking channel for the command-line clients (generate, chat, health): TLS when
     PDSERVE_TLS_CA is set (with PDSERVE_TLS_CERT and PDSERVE_TLS_KEY, also a client
     certificate), plaintext otherwise."""
+    creds = _client_credentials_from_env()
+    return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+
+
+def aio_client_channel(address: str) -> grpc.aio.Channel:
+    """client_channel for asyncio clients (the load client)."""
+    creds = _client_credentials_from_env()
+    if creds is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, creds)
+
+
+def _client_credentials_from_env() -> grpc.ChannelCredentials | None:
     ca, cert, key = (os.environ.get(f"PDSERVE_TLS_{name}", "") for name in ("CA", "CERT", "KEY"))
     if not ca:
-        return grpc.insecure_channel(address)
+        return None
     try:
-        creds = grpc.ssl_channel_credentials(
+        return grpc.ssl_channel_credentials(
             root_certificates=Path(ca).read_bytes(),
             private_key=Path(key).read_bytes() if key else None,
             certificate_chain=Path(cert).read_bytes() if cert else None,
         )
     except OSError as exc:
         raise TlsConfigError(f"cannot read {exc.filename}: {exc.strerror}") from None
-    return grpc.secure_channel(address, creds)
 
 
 def target_name_option(role: str) -> list[tuple[str, str]]:
