@@ -208,7 +208,17 @@ def _measure_variant(
     try:
         decode_port, prefill_port, router_port = free_port(), free_port(), free_port()
         procs.append(start_in(link.ns_b, log_dir, "decode", decode_port))
-        procs.append(start_in(link.ns_a, log_dir, "prefill", prefill_port, *VARIANTS[variant]))
+        procs.append(
+            start_in(
+                link.ns_a,
+                log_dir,
+                "prefill",
+                prefill_port,
+                "--decode-allow",
+                f"{ADDR_B}:{decode_port}",
+                *VARIANTS[variant],
+            )
+        )
         procs.append(
             start_in(
                 link.ns_a,

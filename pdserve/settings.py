@@ -153,6 +153,12 @@ class PrefillSettings:
     max_batch_tokens: int = setting(
         4096, "prompt tokens per prefill batch", flag="max-prefill-tokens"
     )
+    decode_allow: list[str] = setting(
+        [],
+        "decode instances this prefill may send KV to, host:port (a name counts for every "
+        "address it resolves to, as the router's --decode); empty: loopback addresses only. A "
+        "Prefill call naming any other address is refused before a connection is tried",
+    )
     max_concurrent_prefills: int = setting(
         64, "Prefill calls in progress at once; more get RESOURCE_EXHAUSTED"
     )

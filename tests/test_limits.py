@@ -99,3 +99,31 @@ def test_calls_beyond_max_concurrent_rpcs_are_refused(tmp_path):
             held.cancel()
     finally:
         decode.stop()
+
+
+def test_prefill_dials_only_the_decodes_it_allows(prefill_with):
+    """A Prefill call aimed at an address outside --decode-allow is refused, and nothing is
+    dialled: a listener at that address sees no connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    prefill = prefill_with("--decode-allow", "127.0.0.1:1")
+    try:
+        with grpc.insecure_channel(prefill.address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.PrefillServiceStub(channel).Prefill(_request(10, port), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "--decode-allow" in err.value.details()
+        assert not select.select([listener], [], [], 0.5)[0], "prefill connected anyway"
+    finally:
+        listener.close()
+
+
+def test_prefill_without_an_allow_list_dials_loopback_only(prefill_with):
+    prefill = prefill_with()
+    with grpc.insecure_channel(prefill.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            request = _request(10, 50053)
+            request.decode_address = "192.0.2.7:50053"  # TEST-NET-1: never routed
+            pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "not on loopback" in err.value.details()

@@ -121,7 +121,7 @@ def target_name_option(role: str) -> list[tuple[str, str]]:
 
 def check_plaintext_allowed(host: str, insecure: bool, what: str) -> None:
     """Plaintext on an address others can reach needs --insecure, and is logged loudly."""
-    if _is_loopback(host):
+    if is_loopback(host):
         log.info("%s: plaintext on loopback (%s); give --tls-* to encrypt", what, host)
         return
     if not insecure:
@@ -133,7 +133,7 @@ def check_plaintext_allowed(host: str, insecure: bool, what: str) -> None:
     log.warning("%s: PLAINTEXT on %s (--insecure): anyone who reaches it can call it", what, host)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

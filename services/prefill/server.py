@@ -14,6 +14,7 @@ from pdserve.core.engine_loop import EngineLoop
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import InvalidRequest, validate
 from pdserve.kv.grpc_transport import GrpcKvSink
+from pdserve.kv.leases import shown
 from pdserve.kv.receiver import Committed
 from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import TcpKvSink
@@ -26,7 +27,8 @@ from pdserve.rpc.server import (
     instance_name,
     run_until_signalled,
 )
-from pdserve.rpc.tls import Tls
+from pdserve.rpc.discovery import resolve
+from pdserve.rpc.tls import Tls, is_loopback
 from pdserve.settings import PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # Decode addresses come from the router; a bound keeps a stream of new ones from piling up.
 MAX_DECODE_CHANNELS = 64
+# --decode-allow names are resolved again after this long, so scaled replicas are allowed.
+ALLOWED_DECODES_TTL_SECONDS = 1.0
 # A data plane that does not accept a connection this fast is taken as absent (auto: gRPC).
 DATA_PLANE_CONNECT_SECONDS = 2.0
 
@@ -53,6 +57,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.broken: str | None = None  # why the engine loop failed, once it has
         self.on_broken: Callable[[], None] = lambda: None
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self._allowed: set[str] = set()  # --decode-allow, resolved
+        self._allowed_at = -math.inf
         common = settings.common
         self.tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
         self.admission = Admission()
@@ -120,6 +126,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "lease_id and decode_address are required"
             )
+        refusal = await self._decode_not_allowed(request.decode_address)
+        if refusal:
+            metrics.REQUESTS.labels("prefill", "error", "PERMISSION_DENIED").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             sink = await self._open_sink(request, spec)
         except KvTransferFailed as exc:
@@ -149,6 +159,25 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             job.cancelled = True
             push.cancel()
         return self._reply(spec.request_id, first_token, timing, sink, committed)
+
+    async def _decode_not_allowed(self, address: str) -> str:
+        """Why this prefill may not send KV to `address`, or "". Checked before any connection,
+        so a caller cannot use prefill to probe hosts and ports: the answer is the same whether
+        anything listens there or not."""
+        if self.settings.decode_allow:
+            now = time.monotonic()
+            if now - self._allowed_at > ALLOWED_DECODES_TTL_SECONDS:
+                found = await asyncio.gather(*map(resolve, self.settings.decode_allow))
+                self._allowed, self._allowed_at = set().union(*found), now
+            if address in self._allowed:
+                return ""
+            return f"decode address {shown(address)} is not one of this prefill's --decode-allow"
+        if is_loopback(_host_of(address)):
+            return ""
+        return (
+            f"decode address {shown(address)} is not on loopback, and this prefill names no "
+            "--decode-allow instances"
+        )
 
     async def _open_sink(self, request: pb.PrefillRequest, spec) -> KvSink:
         """The lease's TCP data plane when decode offers one (and --kv-transport allows it),

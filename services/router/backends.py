@@ -7,10 +7,8 @@ KV would decode into fluent garbage.
 """
 
 import asyncio
-import ipaddress
 import itertools
 import logging
-import socket
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Generic, TypeVar
 
@@ -18,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc import model_info
+from pdserve.rpc.discovery import resolve
 from pdserve.rpc.server import channel_to
 from pdserve.rpc.tls import Tls
 from pdserve.services.router.errors import RouterError
@@ -90,7 +89,7 @@ class BackendSet(Generic[StubT]):
         """Re-resolves the targets and health-checks every instance."""
         addresses = set()
         for target in self.targets:
-            addresses.update(await _resolve(target))
+            addresses.update(await resolve(target))
         for gone in set(self.instances) - addresses:
             log.info("%s instance %s removed", self.role, gone)
             await self.instances.pop(gone).channel.close()
@@ -141,30 +140,3 @@ class BackendSet(Generic[StubT]):
     async def close(self) -> None:
         for instance in self.instances.values():
             await instance.channel.close()
-
-
-async def _resolve(target: str) -> set[str]:
-    host, _, port = target.rpartition(":")
-    host = host.strip("[]")
-    if _is_ip(host):
-        return {target}
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            host, int(port), type=socket.SOCK_STREAM, family=socket.AF_INET
-        )
-    except OSError as exc:
-        log.warning("cannot resolve %s: %s", target, exc)
-        return set()
-    return {_join(str(info[4][0]), port) for info in infos}  # AF_INET: (host, port)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
-
-
-def _join(ip: str, port: str) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
