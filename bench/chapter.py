@@ -87,34 +87,22 @@ def _terminate(proc: subprocess.Popen) -> None:
 def one_run(config: str, label: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         address, procs = start(config, tmp)
-        out = os.path.join(tmp, "run.json")
         try:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pdserve.cli",
-                    "bench",
-                    "--preset",
-                    "chapter",
-                    "--warmup",
-                    "2",
-                    "--label",
-                    label,
-                    "--address",
-                    address,
-                    "--json",
-                    out,
-                ],
-                check=True,
-                capture_output=True,
-                timeout=600,
-            )
+            summary = chapter_summary(address, tmp, label)
         finally:
             stop(procs)
-        with open(out) as f:
-            run = json.load(f)["runs"][0]
-    return {"summary": run["summary"], "load_average_1m": run.get("load_average_1m")}
+    return {"summary": summary[0], "load_average_1m": summary[1]}
+
+
+def chapter_summary(address: str, tmp: str, label: str = "", env=None) -> tuple[dict, object]:
+    """`pdserve bench --preset chapter` against `address`: (its summary, its load averages)."""
+    out = os.path.join(tmp, "run.json")
+    command = [sys.executable, "-m", "pdserve.cli", "bench", "--preset", "chapter", "--warmup"]
+    command += ["2", "--address", address, "--json", out] + (["--label", label] if label else [])
+    subprocess.run(command, check=True, capture_output=True, timeout=600, env=env)
+    with open(out) as f:
+        run = json.load(f)["runs"][0]
+    return run["summary"], run.get("load_average_1m")
 
 
 def value(summary: dict, path: tuple) -> float:

@@ -15,11 +15,10 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from chapter import chapter_summary  # bench/ is the script's directory
 from pdserve.certs import make_dev_certs
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import start_router, start_service
@@ -54,36 +53,14 @@ def one_run(certs: Path | None, tmp: str) -> dict:
     router = start_router(
         [prefill], [decode], "--model", "tinygpt", *tls_flags(certs, "router"), tmp_dir=tmp
     )
-    out = os.path.join(tmp, "run.json")
     env = dict(os.environ)
     if certs is not None:
         env["PDSERVE_TLS_CA"] = str(certs / "ca.pem")
     try:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "bench",
-                "--preset",
-                "chapter",
-                "--warmup",
-                "2",
-                "--address",
-                router.address,
-                "--json",
-                out,
-            ],
-            check=True,
-            capture_output=True,
-            timeout=600,
-            env=env,
-        )
+        return chapter_summary(router.address, tmp, env=env)[0]
     finally:
         for service in (router, prefill, decode):
             service.stop()
-    with open(out) as f:
-        return json.load(f)["runs"][0]["summary"]
 
 
 def value(summary: dict, path: tuple) -> float:
