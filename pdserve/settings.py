@@ -100,6 +100,7 @@ class CommonSettings:
 
 
 KV_TRANSPORTS = ("auto", "tcp", "grpc")
+ROUTING_POLICIES = ("round-robin", "least-loaded")  # services/router/policy.py
 KV_COMPRESSIONS = ("none", "int8")
 
 
@@ -221,6 +222,12 @@ class RouterSettings:
         256, "requests that may wait for decode room; more get RESOURCE_EXHAUSTED"
     )
     queue_timeout_seconds: float = setting(30.0, "longest wait for decode room")
+    routing_policy: str = setting(
+        "round-robin",
+        "the order in which instances are tried: round-robin, or least-loaded (decode: most "
+        "free KV blocks, then fewest running sequences, from GetPoolStats every second; "
+        "prefill: fewest prompt tokens this router has in flight there)",
+    )
     max_attempts: int = setting(
         3,
         "handoff attempts per request; a request is retried on another instance only while "
@@ -243,6 +250,11 @@ class RouterSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(
+                f"--routing-policy {self.routing_policy!r}: expected one of "
+                f"{', '.join(ROUTING_POLICIES)}"
+            )
         if not self.prefill or not self.decode:
             raise ValueError(
                 "the router needs at least one prefill and one decode address (--prefill, --decode)"

@@ -7,7 +7,6 @@ KV would decode into fluent garbage.
 """
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Generic, TypeVar
@@ -19,6 +18,9 @@ from pdserve.rpc import model_info
 from pdserve.rpc.discovery import resolve
 from pdserve.rpc.server import channel_to
 from pdserve.rpc.tls import Tls
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.router.policy import RoundRobin, RoutingPolicy
 from pdserve.services.router.errors import RouterError
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,11 @@ class Instance(Generic[StubT]):
     healthy: bool = False
     model_fingerprint: str = ""  # as the instance reported it, once asked
     mismatch: str = ""  # why the instance may not be used, when its model differs
+    # Load, for the routing policy: decode's pool as last reported, and prefill's prompt tokens
+    # that this router has sent and not yet seen answered.
+    free_blocks: int = 0
+    running: int = 0
+    queued_tokens: int = 0
 
 
 class BackendSet(Generic[StubT]):
@@ -49,12 +56,13 @@ class BackendSet(Generic[StubT]):
         model_fingerprint: str,
         model_identity: str,
         tls: Tls | None = None,
+        policy: RoutingPolicy | None = None,
     ):
         self.role, self.targets, self._make_stub = role, targets, make_stub
         self._tls = tls
         self.model_fingerprint, self._model_identity = model_fingerprint, model_identity
         self.instances: dict[str, Instance[StubT]] = {}
-        self._turn = itertools.count()
+        self._policy = policy or RoundRobin()
 
     def ordered(self, avoid: AbstractSet[str] = frozenset()) -> list[Instance[StubT]]:
         """Healthy instances, rotated so that load spreads round-robin; those in `avoid` (which
@@ -68,13 +76,7 @@ class BackendSet(Generic[StubT]):
                 f"no {self.role} instance serves this router's model: {mismatch}",
             )
         pool = [i for i in same_model if i.healthy] or same_model
-        if not pool:
-            return []
-        start = next(self._turn) % len(pool)
-        rotated = pool[start:] + pool[:start]
-        return [i for i in rotated if i.address not in avoid] + [
-            i for i in rotated if i.address in avoid
-        ]
+        return self._policy.order(pool, avoid)
 
     @property
     def any_healthy(self) -> bool:
@@ -110,11 +112,23 @@ class BackendSet(Generic[StubT]):
         if healthy and not instance.model_fingerprint:
             await self._check_model(instance)
         healthy = healthy and bool(instance.model_fingerprint) and not instance.mismatch
+        if healthy and self.role == "decode":
+            await self._read_pool(instance)
         if healthy != instance.healthy:
             log.info(
                 "%s instance %s is %s", self.role, instance.address, "up" if healthy else "down"
             )
         instance.healthy = healthy
+
+    async def _read_pool(self, instance: Instance[StubT]) -> None:
+        """Decode's pool occupancy, for the routing policy; the last figures stay on failure."""
+        try:
+            stats = await pb_grpc.DecodeServiceStub(instance.channel).GetPoolStats(
+                pb.GetPoolStatsRequest(), timeout=HEALTH_TIMEOUT_SECONDS
+            )
+        except grpc.aio.AioRpcError:
+            return
+        instance.free_blocks, instance.running = stats.free_blocks, stats.running
 
     async def _check_model(self, instance: Instance[StubT]) -> None:
         """Asks once which model the instance serves; a different one is never used."""

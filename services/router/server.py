@@ -30,6 +30,7 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router import http_api
 from pdserve.services.router.backends import BackendSet, Instance
 from pdserve.services.router.errors import RETRYABLE, HandoffFailed, RouterError
+from pdserve.services.router.policy import make_policy
 from pdserve.services.router.reservation import Inflight, Reservation, ReservationLine
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             served.fingerprint,
             served.identity,
             tls,
+            make_policy(settings.routing_policy, "prefill"),
         )
         self.decodes = BackendSet(
             "decode",
@@ -58,6 +60,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             served.fingerprint,
             served.identity,
             tls,
+            make_policy(settings.routing_policy, "decode"),
         )
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
@@ -153,6 +156,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         spec = inflight.spec
         prefill = self._pick_prefill(avoid)  # first: a reservation must never be left behind
         reservation = await self.line.reserve(inflight, avoid)
+        # Load for --routing-policy least-loaded: this prompt is in flight at that prefill.
+        prefill.queued_tokens += spec.prompt_len
         prefill_call = asyncio.ensure_future(
             prefill.stub.Prefill(
                 pb.PrefillRequest(
@@ -172,6 +177,11 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         prefill_call.add_done_callback(
             lambda call: _failed(call) and not reservation.streaming and reservation.call.cancel()
         )
+
+        def prompt_answered(_call) -> None:
+            prefill.queued_tokens -= spec.prompt_len
+
+        prefill_call.add_done_callback(prompt_answered)
         try:
             async for event in self._relay(reservation, prefill_call, prefill):
                 if isinstance(event, pb.TokenEvent):
