@@ -222,6 +222,12 @@ class RouterSettings:
         256, "requests that may wait for decode room; more get RESOURCE_EXHAUSTED"
     )
     queue_timeout_seconds: float = setting(30.0, "longest wait for decode room")
+    max_migrations: int = setting(
+        2,
+        "times a request whose decode instance fails mid-stream moves to another pair and "
+        "continues from its next token (token-identical: the prompt plus the tokens sent are "
+        "prefilled again); 0: it ends with UNAVAILABLE",
+    )
     routing_policy: str = setting(
         "round-robin",
         "the order in which instances are tried: round-robin, or least-loaded (decode: most "

@@ -118,21 +118,54 @@ def test_decode_killed_mid_transfer_request_completes_on_the_other(services):
     settled(stack)
 
 
-def test_decode_killed_mid_decode_ends_with_unavailable_not_a_replay(services):
+def _migrated_request(sampling: dict) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=[5, 9, 14, 3] * 5,
+        sampling=pb.SamplingParams(max_tokens=60, ignore_eos=True, **sampling),
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"temperature": 0.9, "top_k": 40, "seed": 1234}],
+    ids=["greedy", "seeded"],
+)
+def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(services, sampling):
+    """Decode dies after the client has tokens: the router prefills the prompt plus the tokens
+    sent on the other pair and continues from the next step. The client sees every token of an
+    uninterrupted run, in order, and one request's usage."""
+    decodes = [services("decode"), services("decode", faults="decode_crash_after_steps=20")]
+    prefill = services("prefill")
+    # The uninterrupted run, through a router that knows only the healthy decode.
+    alone = Stack(services.router([prefill], decodes[:1]), [prefill], decodes[:1])
+    uninterrupted, _, _ = generate(alone.router_stub(), _migrated_request(sampling), 60)
+    stack = Stack(services.router([prefill], decodes), [prefill], decodes)
+    migrated = expected = None
+    for _ in range(4):  # round robin: within a few requests one lands on the faulty decode
+        tokens, _, last = generate(stack.router_stub(), _migrated_request(sampling), 60)
+        if last.metrics.attempts > 1:
+            migrated, expected = (tokens, last), uninterrupted
+            break
+        assert tokens == uninterrupted
+    assert migrated is not None, "no request met the failing decode"
+    tokens, last = migrated
+    assert tokens == expected  # token for token, across the move
+    assert last.usage.completion_tokens == 60 and last.usage.prompt_tokens == 20
+    assert last.metrics.decode_instance.endswith(f":{decodes[0].port}")
+    settled(stack)
+
+
+def test_migration_off_ends_with_unavailable(services):
     decodes = [services("decode"), services("decode")]
     prefill = services("prefill")
-    stack = Stack(services.router([prefill], decodes), [prefill], decodes)
+    stack = Stack(services.router([prefill], decodes, "--max-migrations", "0"), [prefill], decodes)
     call = stack.router_stub().Generate(greedy_request([5] * 20, 3000), timeout=60)
     assert next(call).token_ids
     victim = next(i for i in range(2) if stack.pool_stats(i).running)
     decodes[victim].stop(signal.SIGKILL)
     err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
-    assert "not replayed" in err.details()
-    tokens, _, last = generate(stack.router_stub(), greedy_request([1, 2, 3], 4))
-    assert len(tokens) == 4 and last.metrics.decode_instance.endswith(
-        f":{decodes[1 - victim].port}"
-    )
+    assert "--max-migrations 0" in err.details()
     settled(stack)
 
 

@@ -79,7 +79,8 @@ class DecodeScheduler:
 
     def postprocess(self, batch: list[Sequence], logits) -> None:
         """Samples each sequence's token from its row of `logits`, then lets finished ones go."""
-        tokens = sample(logits, [s.spec.sampling for s in batch], [s.generated for s in batch])
+        steps = [s.spec.sampling.first_step + s.generated for s in batch]
+        tokens = sample(logits, [s.spec.sampling for s in batch], steps)
         for seq, token in zip(batch, tokens, strict=True):
             if not seq.aborted:
                 seq.append(token)

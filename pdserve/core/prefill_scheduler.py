@@ -86,7 +86,11 @@ class PrefillScheduler:
             logits = self.model.prefill_packed(
                 [list(j.spec.prompt_token_ids) for j in batch], self._fan_out(batch)
             )
-            first = sample(logits, [j.spec.sampling for j in batch], [0] * len(batch))
+            first = sample(
+                logits,
+                [j.spec.sampling for j in batch],
+                [j.spec.sampling.first_step for j in batch],
+            )
         except Exception as exc:  # the batch fails, the engine keeps serving
             for job in batch:
                 job.on_error(f"prefill failed: {exc}")

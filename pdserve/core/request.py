@@ -22,6 +22,7 @@ class SamplingSpec:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    first_step: int = 0  # step number of the first token: nonzero for a migrated continuation
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingSpec:
         seed=s.seed,
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
+        first_step=s.first_step,
     )
 
 
@@ -36,6 +37,7 @@ def sampling_to_pb(s: SamplingSpec) -> pb.SamplingParams:
         seed=s.seed,
         stop=list(s.stop),
         ignore_eos=s.ignore_eos,
+        first_step=s.first_step,
     )
 
 

@@ -131,7 +131,11 @@ class ColocatedEngine:
     def _first_tokens(self, completed: list[Chunk], logits, started: float) -> None:
         if not completed:
             return
-        firsts = sample(logits, [c.handle.spec.sampling for c in completed], [0] * len(completed))
+        firsts = sample(
+            logits,
+            [c.handle.spec.sampling for c in completed],
+            [c.handle.spec.sampling.first_step for c in completed],
+        )
         finished = time.perf_counter()
         for chunk, token in zip(completed, firsts, strict=True):
             h = chunk.handle

@@ -12,6 +12,7 @@ deadline bounds every outbound call; a client that leaves cancels both.
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import AsyncGenerator, Callable
@@ -123,22 +124,71 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         )
 
     async def _with_retries(self, inflight: Inflight):
-        spec = inflight.spec
-        avoid: set[str] = set()
-        sent = 0
-        for attempt in range(1, self.settings.max_attempts + 1):
+        """Retries a failed handoff elsewhere while no token has reached the client; after that,
+        migrates: the same request continues on another pair from the tokens already sent."""
+        original, migrations, avoid = inflight, 0, set()
+        tries = [0]  # handoffs attempted, over every part of the request
+        sent: list[int] = []  # token ids the client has received
+        while True:
+            before = len(sent)
+            part_sent: list[int] = []
             try:
-                async for response in self._attempt(inflight, attempt, avoid):
-                    sent += 1
+                async for response in self._attempts(inflight, tries, part_sent, avoid):
+                    sent.extend(response.token_ids)
+                    if response.finish_reason and migrations:
+                        _as_one_request(response, original.spec, before)
+                    yield response
+                return
+            except HandoffFailed as exc:
+                inflight = self._continuation(original, sent, exc, migrations)
+                avoid = set(exc.instances)
+                migrations += 1
+                log.warning(
+                    "request %s: decode failed after %d tokens (%s); continuing elsewhere "
+                    "(migration %d)",
+                    original.spec.request_id,
+                    len(sent),
+                    exc,
+                    migrations,
+                )
+
+    def _continuation(
+        self, original: Inflight, sent: list[int], exc: HandoffFailed, migrations: int
+    ) -> Inflight:
+        """The rest of the request as a request of its own: the prompt plus the tokens sent,
+        generating what remains from the next step. Raises RouterError when it may not move."""
+        remaining = original.spec.sampling.max_tokens - len(sent)
+        if migrations >= self.settings.max_migrations or remaining <= 0:
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{exc}; {len(sent)} tokens had reached the client and the request moved "
+                f"{migrations} time(s) already (--max-migrations {self.settings.max_migrations})",
+            )
+        spec = original.spec
+        sampling = dataclasses.replace(
+            spec.sampling, max_tokens=remaining, first_step=spec.sampling.first_step + len(sent)
+        )
+        rest = dataclasses.replace(
+            spec, prompt_token_ids=spec.prompt_token_ids + tuple(sent), sampling=sampling
+        )
+        return Inflight(rest, original.received, original.deadline)
+
+    async def _attempts(
+        self, inflight: Inflight, tries: list[int], sent: list[int], avoid: set[str]
+    ):
+        """One handoff, retried on other instances while none of its tokens has been sent;
+        `avoid` starts with the instances that just failed this request."""
+        spec = inflight.spec
+        for attempt in range(1, self.settings.max_attempts + 1):
+            tries[0] += 1
+            try:
+                async for response in self._attempt(inflight, tries[0], avoid):
+                    sent.extend(response.token_ids)
                     yield response
                 return
             except HandoffFailed as exc:
                 if sent:
-                    raise RouterError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"{exc}; tokens had already reached the client, so the "
-                        f"request is not replayed",
-                    ) from None
+                    raise  # tokens went out: the caller migrates
                 if attempt == self.settings.max_attempts:
                     raise RouterError(
                         grpc.StatusCode.UNAVAILABLE, f"handoff failed {attempt} times; last: {exc}"
@@ -368,3 +418,10 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
         on_stop,
         serving_at_start=False,
     )
+
+
+def _as_one_request(last: pb.GenerateResponse, spec: GenerateSpec, sent_before: int) -> None:
+    """A migrated request's last response, counted as the client's one request: its own prompt,
+    and every token it received, not only those of the last part."""
+    last.usage.prompt_tokens = spec.prompt_len
+    last.usage.completion_tokens += sent_before
