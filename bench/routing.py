@@ -1,0 +1,122 @@
+"""Least-loaded against round robin, with decode instances that are not alike.
+
+One prefill, two decode instances: one with a full pool (--big-blocks), one with a small one
+(--small-blocks). The router runs with each --routing-policy in turn, rounds interleaved, fresh
+services every run. `pdserve bench` drives it: Poisson arrivals, prompts 128-512, outputs
+64-128 (TinyGPT). Reports p99 TTFT and the requests refused for lack of room, per policy:
+medians over the rounds with min-max.
+
+  .venv/bin/python bench/routing.py --json bench/results/routing.json
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from pdserve.loadtest.report import cpu_conditions
+from pdserve.localstack import start_router, start_service
+
+POLICIES = ("round-robin", "least-loaded")
+
+
+def one_run(policy: str, args, tmp: str) -> dict:
+    model = ("--model", "tinygpt")
+    big = start_service("decode", *model, "--num-blocks", str(args.big_blocks), tmp_dir=tmp)
+    small = start_service("decode", *model, "--num-blocks", str(args.small_blocks), tmp_dir=tmp)
+    prefill = start_service("prefill", *model, tmp_dir=tmp)
+    router = start_router(
+        [prefill],
+        [big, small],
+        *model,
+        "--routing-policy",
+        policy,
+        "--queue-timeout-seconds",
+        "2",
+        tmp_dir=tmp,
+    )
+    out = os.path.join(tmp, f"{policy}.json")
+    try:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "bench",
+                "--address",
+                router.address,
+                "--rate",
+                str(args.rate),
+                "--num-requests",
+                str(args.requests),
+                "--prompt-len",
+                "128-512",
+                "--output-len",
+                "64-128",
+                "--seed",
+                "7",
+                "--warmup",
+                "2",
+                "--json",
+                out,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
+    finally:
+        for service in (router, prefill, small, big):
+            service.stop()
+    with open(out) as f:
+        summary = json.load(f)["runs"][0]["summary"]
+    return {
+        "ttft_p99_ms": summary["ttft_seconds"]["p99"] * 1e3 if summary["ok"] else None,
+        "ttft_p50_ms": summary["ttft_seconds"]["p50"] * 1e3 if summary["ok"] else None,
+        "refused": summary["by_status"].get("RESOURCE_EXHAUSTED", 0),
+        "ok": summary["ok"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rate", type=float, default=12.0)
+    parser.add_argument("--requests", type=int, default=80)
+    parser.add_argument("--big-blocks", type=int, default=2048)
+    parser.add_argument("--small-blocks", type=int, default=160)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    runs: dict[str, list] = {p: [] for p in POLICIES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for policy in POLICIES if i % 2 == 0 else tuple(reversed(POLICIES)):
+                runs[policy].append(one_run(policy, args, tmp))
+                print(f"round {i + 1} {policy}: {runs[policy][-1]}", flush=True)
+    summary = {}
+    for policy, results in runs.items():
+        summary[policy] = {}
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "refused", "ok"):
+            xs = [r[key] for r in results if r[key] is not None]
+            summary[policy][key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        conditions = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": "TinyGPT (random weights)",
+            "decode_blocks": [args.big_blocks, args.small_blocks],
+            "workload": f"Poisson {args.rate} req/s, {args.requests} requests, prompts 128-512, "
+            "outputs 64-128, seed 7, greedy, ignore_eos, 2 warm-up",
+            "router": "--queue-timeout-seconds 2",
+            "rounds": args.rounds,
+            "cpu": cpu_conditions(),
+        }
+        with open(args.json, "w") as f:
+            json.dump({"conditions": conditions, "summary": summary, "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
