@@ -126,7 +126,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     async def _with_retries(self, inflight: Inflight):
         """Retries a failed handoff elsewhere while no token has reached the client; after that,
         migrates: the same request continues on another pair from the tokens already sent."""
-        original, migrations, avoid = inflight, 0, set()
+        original, migrations = inflight, 0
+        avoid: set[str] = set()  # the instances that just failed this request
         tries = [0]  # handoffs attempted, over every part of the request
         sent: list[int] = []  # token ids the client has received
         while True:
