@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+from common import pdserve_bench  # bench/ is the script's directory
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import free_port, start_service, wait_until
 
@@ -96,12 +97,8 @@ def one_run(config: str, label: str) -> dict:
 
 def chapter_summary(address: str, tmp: str, label: str = "", env=None) -> tuple[dict, object]:
     """`pdserve bench --preset chapter` against `address`: (its summary, its load averages)."""
-    out = os.path.join(tmp, "run.json")
-    command = [sys.executable, "-m", "pdserve.cli", "bench", "--preset", "chapter", "--warmup"]
-    command += ["2", "--address", address, "--json", out] + (["--label", label] if label else [])
-    subprocess.run(command, check=True, capture_output=True, timeout=600, env=env)
-    with open(out) as f:
-        run = json.load(f)["runs"][0]
+    flags = ["--preset", "chapter", "--warmup", "2", "--address", address]
+    run = pdserve_bench(flags + (["--label", label] if label else []), tmp, env=env)
     return run["summary"], run.get("load_average_1m")
 
 

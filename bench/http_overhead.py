@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+from common import pdserve_bench  # bench/ is the script's directory
 from pdserve.client import check_health
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import free_port, wait_until
@@ -33,41 +34,15 @@ METRICS = [
 
 
 def run(front: str, grpc_port: int, http_port: int, args, tmp: str) -> dict:
-    out = os.path.join(tmp, f"{front}.json")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "bench",
-            "--address",
-            f"127.0.0.1:{grpc_port}",
-            "--http-url",
-            f"http://127.0.0.1:{http_port}/v1",
-            *FRONTS[front],
-            "--num-requests",
-            str(args.requests),
-            "--rate",
-            "inf",
-            "--concurrency",
-            str(args.concurrency),
-            "--prompt-len",
-            "64",
-            "--output-len",
-            "64",
-            "--seed",
-            "7",
-            "--warmup",
-            "2",
-            "--json",
-            out,
-        ],
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    with open(out) as f:
-        return json.load(f)["runs"][0]["summary"]
+    flags = [
+        "--address",
+        f"127.0.0.1:{grpc_port}",
+        "--http-url",
+        f"http://127.0.0.1:{http_port}/v1",
+    ]
+    flags += [*FRONTS[front], "--num-requests", str(args.requests), "--rate", "inf"]
+    flags += ["--concurrency", str(args.concurrency), "--prompt-len", "64", "--output-len", "64"]
+    return pdserve_bench(flags + ["--seed", "7", "--warmup", "2"], tmp, front)["summary"]
 
 
 def main() -> None:

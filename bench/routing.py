@@ -12,12 +12,10 @@ medians over the rounds with min-max.
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
+from common import pdserve_bench  # bench/ is the script's directory
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import start_router, start_service
 
@@ -39,40 +37,13 @@ def one_run(policy: str, args, tmp: str) -> dict:
         "2",
         tmp_dir=tmp,
     )
-    out = os.path.join(tmp, f"{policy}.json")
+    flags = ["--address", router.address, "--rate", str(args.rate), "--num-requests"]
+    flags += [str(args.requests), "--prompt-len", "128-512", "--output-len", "64-128"]
     try:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "bench",
-                "--address",
-                router.address,
-                "--rate",
-                str(args.rate),
-                "--num-requests",
-                str(args.requests),
-                "--prompt-len",
-                "128-512",
-                "--output-len",
-                "64-128",
-                "--seed",
-                "7",
-                "--warmup",
-                "2",
-                "--json",
-                out,
-            ],
-            check=True,
-            capture_output=True,
-            timeout=900,
-        )
+        summary = pdserve_bench(flags + ["--seed", "7", "--warmup", "2"], tmp, policy)["summary"]
     finally:
         for service in (router, prefill, small, big):
             service.stop()
-    with open(out) as f:
-        summary = json.load(f)["runs"][0]["summary"]
     return {
         "ttft_p99_ms": summary["ttft_seconds"]["p99"] * 1e3 if summary["ok"] else None,
         "ttft_p50_ms": summary["ttft_seconds"]["p50"] * 1e3 if summary["ok"] else None,
