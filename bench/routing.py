@@ -18,8 +18,9 @@ import tempfile
 from common import pdserve_bench  # bench/ is the script's directory
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import start_router, start_service
+from pdserve.settings import ROUTING_POLICIES
 
-POLICIES = ("round-robin", "least-loaded")
+POLICIES = ROUTING_POLICIES
 
 
 def one_run(policy: str, args, tmp: str) -> dict:

@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from chapter import chapter_summary  # bench/ is the script's directory
+from chapter import chapter_summary, value  # bench/ is the script's directory
 from pdserve.certs import make_dev_certs
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import start_router, start_service
@@ -61,12 +61,6 @@ def one_run(certs: Path | None, tmp: str) -> dict:
     finally:
         for service in (router, prefill, decode):
             service.stop()
-
-
-def value(summary: dict, path: tuple) -> float:
-    for key in path:
-        summary = summary[key]
-    return float(summary)
 
 
 def main() -> None:

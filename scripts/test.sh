@@ -10,6 +10,12 @@ if ! command -v prometheus >/dev/null; then
   apt-get install -y -q prometheus >/dev/null 2>&1 || \
     { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }
 fi
+# The SSE framing test drives the HTTP API with curl -N, as a user would.
+if ! command -v curl >/dev/null; then
+  echo "installing Debian's curl package for the SSE test"
+  apt-get install -y -q curl >/dev/null 2>&1 || \
+    { apt-get update -q >/dev/null && apt-get install -y -q curl >/dev/null; }
+fi
 # Lint, format and type checks first: seconds, and a clear message before the long run.
 .venv/bin/ruff check pdserve services tests bench
 .venv/bin/ruff format --check pdserve services tests bench

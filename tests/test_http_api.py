@@ -6,7 +6,6 @@ cannot send what a test needs: malformed bodies and wrong content types.
 """
 
 import json
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -226,7 +225,6 @@ def test_unknown_paths_and_methods_get_openai_errors(stack):
 # --- SSE framing, with curl ---
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_sees_valid_sse_events_with_multibyte_text(stack):
     # TinyGPT's output is random bytes: many tokens decode to U+FFFD or to other characters of
     # two to four UTF-8 bytes, each within one event.

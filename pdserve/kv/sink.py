@@ -21,8 +21,6 @@ from pdserve.kv.wire import ChunkHeader, LayerPiece, digest, split_layer, split_
 from pdserve.kv.wire import tokens_per_chunk
 from pdserve.kv.wire import prompt_digest
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-
 
 class KvTransferFailed(Exception):
     """The transfer failed. code is a gRPC status name (e.g. INVALID_ARGUMENT, UNAVAILABLE,

@@ -19,6 +19,8 @@ import socket
 import ssl
 import struct
 
+import grpc
+
 from pdserve.faults import Faults
 from pdserve.kv import frames
 from pdserve.kv.receiver import Committed, KvReceiver, KvStream, status_name
@@ -326,18 +328,9 @@ def _to_pb(committed: Committed) -> pb.PushKvResponse:
     )
 
 
-_CODES = {
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "PERMISSION_DENIED": 7,
-    "FAILED_PRECONDITION": 9,
-    "UNAVAILABLE": 14,
-}  # google.rpc.Code numbers
-
-
 def _code_number(name: str) -> int:
-    return _CODES[name]
+    return grpc.StatusCode[name].value[0]  # google.rpc.Code numbers, as gRPC itself sends them
 
 
 def _code_name(number: int) -> str:
-    return next((name for name, n in _CODES.items() if n == number), "UNKNOWN")
+    return next((c.name for c in grpc.StatusCode if c.value[0] == number), "UNKNOWN")

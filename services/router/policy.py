@@ -53,9 +53,6 @@ class LeastLoaded:
         return (instance.queued_tokens,)
 
 
-POLICIES = ("round-robin", "least-loaded")
-
-
 def make_policy(name: str, role: str) -> RoutingPolicy:
     if name == "least-loaded":
         return LeastLoaded(role)
