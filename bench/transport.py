@@ -7,7 +7,7 @@ process, through:
   grpc      DecodeService.PushKv (GrpcKvSink -> push_kv_handler -> KvReceiver -> paged pool)
   tcp       the data plane (TcpKvSink -> DataPlaneServer -> KvReceiver -> paged pool)
 
-The KV transports pay everything the services pay: framing, CRC-32 on both ends, every check, and
+The KV transports pay everything the services pay: framing, CRC-32C on both ends, every check, and
 the write into decode's paged pool. Configurations run interleaved, --repeats times each, at each
 chunk size and KV dtype; results report the median and the spread (min-max) of the rate, and the
 median of the per-repeat ratio to raw TCP.

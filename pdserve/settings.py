@@ -88,6 +88,11 @@ class CommonSettings:
     max_concurrent_rpcs: int = setting(
         1024, "calls this service runs at once; beyond it gRPC answers RESOURCE_EXHAUSTED"
     )
+    max_connection_age_seconds: float = setting(
+        1800.0,
+        "clients must reconnect (and show their certificate again) after this long; calls in "
+        "progress get 900 s more to finish. 0: connections live as long as their clients",
+    )
     # Not a flag: fault injection is for tests only and must never be on by accident.
     faults: Faults = field(default_factory=Faults)  # PDSERVE_FAULTS
 
@@ -97,6 +102,8 @@ class CommonSettings:
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
+        if self.max_connection_age_seconds < 0:
+            raise ValueError("--max-connection-age-seconds must be 0 (no limit) or positive")
 
 
 KV_TRANSPORTS = ("auto", "tcp", "grpc")
@@ -250,9 +257,22 @@ class RouterSettings:
     )
     api_key: str = setting(
         "",
-        "when set, the HTTP API's /v1/* paths require 'Authorization: Bearer <key>'; set it "
-        "through the variable rather than the flag, which other users can read in the process list",
+        "one or more API keys, comma-separated. When set, gRPC Generate and the HTTP API's /v1/* "
+        "require 'authorization: Bearer <key>', and each key is one client for the per-client "
+        "limits. Set it through the variable rather than the flag, which other users can read "
+        "in the process list",
         secret=True,
+    )
+    max_streams_per_client: int = setting(
+        256,
+        "requests one client (an API key, or else an address) may have open at once; more get "
+        "RESOURCE_EXHAUSTED (HTTP 429). 0: no limit",
+    )
+    max_tokens_per_second_per_client: float = setting(
+        0.0,
+        "prompt plus generated tokens per second one client may use, with 2 s of it saved up for "
+        "a burst; a client over it is refused until it is under again. 0: no limit, since a "
+        "sane rate depends on the model and the hardware",
     )
 
     def __post_init__(self) -> None:
@@ -270,6 +290,9 @@ class RouterSettings:
         )
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: expected 0 (off) or a port")
+        for name in ("max_streams_per_client", "max_tokens_per_second_per_client"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_described(self, name)} must be 0 (no limit) or positive")
 
 
 @dataclass(frozen=True)

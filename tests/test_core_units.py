@@ -129,8 +129,8 @@ def test_kv_chunks_round_trip_and_reject_damage():
     pieces = list(kv_wire.split_layer(k, v, tokens_per=16))
     assert [(p.token_start, p.token_end) for p in pieces] == [(0, 16), (16, 32), (32, 40)]
     start, end, payload = pieces[1].token_start, pieces[1].token_end, pieces[1].payload()
-    assert pieces[1].crc32 == kv_wire.crc32(payload)  # the CRC of the parts is the payload's
-    header = kv_wire.ChunkHeader(1, 2, start, end, "float32", (2, 16, 4, 64), pieces[1].crc32)
+    assert pieces[1].crc32c == kv_wire.crc32c(payload)  # the CRC of the parts is the payload's
+    header = kv_wire.ChunkHeader(1, 2, start, end, "float32", (2, 16, 4, 64), pieces[1].crc32c)
     k2, v2 = kv_wire.decode_chunk(header, payload, CONFIG, prompt_len=40)
     assert torch.equal(k2, k[16:32]) and torch.equal(v2, v[16:32])
     damaged = bytes([payload[0] ^ 1]) + payload[1:]
@@ -340,3 +340,38 @@ def test_a_retry_never_goes_first_to_an_instance_that_just_failed():
         assert order[0] == "b:1" and set(order[1:]) == {"a:1", "c:1"}
     backends.instances["b:1"].mismatch = "serves another model"
     assert "b:1" not in [i.address for i in backends.ordered()]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_write_by_runs_stores_what_index_copy_stores(dtype):
+    """The slice-copy fast path of PagedCache.write must put every token where the slot says,
+    whether the blocks are in order, reversed, shuffled, or short and long runs mixed."""
+    from pdserve.core.paged_cache import PagedCache, contiguous_runs
+
+    config = ModelConfig(
+        n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=50, max_context=4096
+    )
+    config = dataclasses.replace(config, dtype=dtype)
+    block, blocks = 16, 64
+    gen = torch.Generator().manual_seed(5)
+    orders = {
+        "ascending": list(range(0, 40)),
+        "reversed": list(range(39, -1, -1)),
+        "shuffled": torch.randperm(blocks, generator=gen)[:40].tolist(),
+        "runs": list(range(10, 30)) + [2, 3] + list(range(40, 58)),
+    }
+    for name, order in orders.items():
+        slots = [order[p // block] * block + p % block for p in range(len(order) * block)]
+        k = torch.randn(len(slots), 2, 16, generator=gen).to(getattr(torch, dtype))
+        v = torch.randn(len(slots), 2, 16, generator=gen).to(getattr(torch, dtype))
+        cache = PagedCache(config, blocks, block)
+        cache.write(1, slots, k, v)
+        index = torch.tensor(slots)
+        assert torch.equal(cache.kv[1, 0][:, index].transpose(0, 1), k), name
+        assert torch.equal(cache.kv[1, 1][:, index].transpose(0, 1), v), name
+        assert cache.kv[0].abs().sum() == 0, name  # nothing written into another layer
+        written = torch.zeros(blocks * block, dtype=torch.bool)
+        written[index] = True
+        assert cache.kv[1][:, :, ~written].abs().sum() == 0, name  # nor into another slot
+    assert contiguous_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert contiguous_runs([]) == []

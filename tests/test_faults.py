@@ -82,6 +82,9 @@ def test_request_larger_than_the_pool_is_refused_at_once(services):
     stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
     err = rpc_error(lambda: generate(stack.router_stub(), greedy_request([1] * 300, 200), 10))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "whole pool" in err.details()
+    # The router's log names the decode that refused; the client's status names no address.
+    assert str(decode.port) not in err.details() and "127.0.0.1" not in err.details()
+    wait_until(lambda: str(decode.port) in stack.router.log(), 5, "the router to log it")
     tokens, _, _ = generate(stack.router_stub(), greedy_request([1] * 30, 5))
     assert len(tokens) == 5
     settled(stack)

@@ -26,7 +26,7 @@ class ScriptedRouter:
         self.responses, self.error = list(responses), error
         self.specs: list = []
 
-    async def generate(self, make_spec, time_remaining):
+    async def generate(self, make_spec, time_remaining, client):
         self.specs.append(make_spec())
         for response in self.responses:
             yield response

@@ -270,7 +270,7 @@ def test_frame_round_trip_reads_the_payload_in_place():
     assert bytes(frame.payload) == b"".join(chunk.parts)
     # Any protobuf library reads the hand-built message the same way.
     parsed = pb.PushKvRequest.FromString(message)
-    assert parsed.data == bytes(frame.payload) and parsed.chunk.crc32 == chunk.header.crc32
+    assert parsed.data == bytes(frame.payload) and parsed.chunk.crc32c == chunk.header.crc32c
     assert frames.read_frame(frames.join_message(commit)).commit == commit
 
 

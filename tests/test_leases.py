@@ -66,7 +66,7 @@ def kv_pushes(
     for layer, k, v in layers:
         for piece in kv_wire.split_layer(k, v, tokens_per=32):
             start, end = piece.token_start, piece.token_end
-            crcs.append(piece.crc32)
+            crcs.append(piece.crc32c)
             pushes.append(
                 pb.PushKvRequest(
                     data=piece.payload(),
@@ -78,7 +78,7 @@ def kv_pushes(
                         token_end=end,
                         dtype=pb.D_TYPE_FLOAT32,
                         shape=[2, end - start, 4, 64],
-                        crc32=crcs[-1],
+                        crc32c=crcs[-1],
                         model_fingerprint=MODEL,
                     ),
                 )
@@ -173,7 +173,7 @@ def test_a_commit_for_another_request_is_refused(decode):
         (lambda c: setattr(c, "dtype", pb.D_TYPE_FLOAT16), "dtype"),
         (lambda c: c.shape.__setitem__(2, 8), "shape"),
         (lambda c: setattr(c, "token_end", 999), "outside"),
-        (lambda c: setattr(c, "crc32", c.crc32 ^ 1), "CRC"),
+        (lambda c: setattr(c, "crc32c", c.crc32c ^ 1), "CRC"),
         (lambda c: setattr(c, "layer", 6), "layer"),
     ],
 )

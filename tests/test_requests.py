@@ -172,3 +172,36 @@ def test_deadline_is_propagated(stack):
         generate(stack.router_stub(), greedy_request(list(range(100)), 3000), timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # The stack fixture then checks that decode freed the blocks the request held.
+
+
+# A field tag with wire type 7, which does not exist: no protobuf parser accepts these bytes.
+UNDECODABLE = b"\x0f\xff\xff\xff"
+
+UNDECODABLE_METHODS = {
+    "router": ("/pdserve.v1.RouterService/Generate", "unary_stream"),
+    "prefill": ("/pdserve.v1.PrefillService/Prefill", "unary_unary"),
+    "decode": ("/pdserve.v1.DecodeService/GetPoolStats", "unary_unary"),
+}
+
+
+@pytest.mark.parametrize("role", list(UNDECODABLE_METHODS))
+def test_undecodable_protobuf_is_invalid_argument_logged_once(stack, role):
+    """Bytes that are not the method's message: INVALID_ARGUMENT with the message type named,
+    never UNKNOWN, and 20 of them leave one log line, not 20 tracebacks."""
+    service = {"router": stack.router, "prefill": stack.prefills[0], "decode": stack.decodes[0]}[
+        role
+    ]
+    method, kind = UNDECODABLE_METHODS[role]
+    with grpc.insecure_channel(service.address) as channel:
+        call = getattr(channel, kind)(method)  # no serializer: the raw bytes go as they are
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError) as err:
+                result = call(UNDECODABLE, timeout=10)
+                list(result) if kind == "unary_stream" else result
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not a valid" in err.value.details() and "Request" in err.value.details()
+    wait_until(lambda: "is not a valid" in service.log(), 5, "the refusal in the log")
+    log = service.log()
+    assert log.count("is not a valid") == 1, log
+    assert "Traceback" not in log
+    assert stack.pool_stats().free_blocks == stack.pool_stats().total_blocks

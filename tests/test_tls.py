@@ -2,8 +2,13 @@
 internal method refuses a peer without a certificate, with another CA's, or of the wrong role."""
 
 import asyncio
+import http.client
+import json
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -92,6 +97,20 @@ def test_the_pipeline_runs_over_mutual_tls(tls_stack, certs):
     assert len(tokens) == 6
     assert last.metrics.handoff.transport == "tcp"  # the data plane, over TLS too
     wait_until(lambda: pool_whole(tls_stack, certs), 10, "decode's pool to be whole")
+
+
+def test_the_http_api_serves_https_with_the_routers_certificate(tls_stack, certs):
+    """With --tls-*, the router's HTTP API is HTTPS too, verified against the dev CA; a plaintext
+    request to it gets no answer."""
+    port = tls_stack.router.http_port
+    trusting = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/v1/models", context=trusting) as reply:
+        assert reply.status == 200 and json.load(reply)["data"][0]["id"] == "tinygpt"
+    with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+    with pytest.raises(urllib.error.URLError) as err:  # a client that does not trust the CA
+        urllib.request.urlopen(f"https://127.0.0.1:{port}/v1/models", timeout=10)
+    assert isinstance(err.value.reason, ssl.SSLCertVerificationError)
 
 
 @pytest.mark.parametrize(

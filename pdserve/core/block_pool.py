@@ -41,12 +41,13 @@ class BlockPool:
         need = self.blocks_for(tokens)
         if need > self.num_blocks:
             raise NeverFits(
-                f"needs {need} KV blocks ({tokens} tokens); the whole pool has {self.num_blocks}"
+                f"request larger than the KV pool: it needs {need} blocks ({tokens} tokens); "
+                f"the whole pool has {self.num_blocks}"
             )
         with self._lock:
             if need > len(self._free) - self._promised:
                 raise PoolExhausted(
-                    f"need {need} KV blocks, {len(self._free) - self._promised} of "
+                    f"KV pool full: need {need} blocks, {len(self._free) - self._promised} of "
                     f"{self.num_blocks} free"
                 )
             self._promised += need

@@ -38,10 +38,22 @@ class PagedCache:
         return buf[:numel].view(shape)
 
     def write(self, layer: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores K and V [tokens, heads, dim] of one layer at the given slots."""
-        index = torch.tensor(slots, dtype=torch.long)
-        self.kv[layer, 0].index_copy_(1, index, k.transpose(0, 1))
-        self.kv[layer, 1].index_copy_(1, index, v.transpose(0, 1))
+        """Stores K and V [tokens, heads, dim] of one layer at the given slots.
+
+        Where the slots form a few long runs, which is usual (the pool hands out ascending blocks
+        and takes them back in an order that keeps them so), each run is one slice copy: measured
+        3.7x (float32) and 7x (bfloat16) faster than index_copy_ on one core, which was the
+        largest cost of taking in a handoff."""
+        runs = contiguous_runs(slots)
+        if len(runs) * MIN_TOKENS_PER_RUN > len(slots):
+            index = torch.tensor(slots, dtype=torch.long)
+            self.kv[layer, 0].index_copy_(1, index, k.transpose(0, 1))
+            self.kv[layer, 1].index_copy_(1, index, v.transpose(0, 1))
+            return
+        for first_token, first_slot, length in runs:
+            rows = slice(first_token, first_token + length)
+            self.kv[layer, 0].narrow(1, first_slot, length).copy_(k[rows].transpose(0, 1))
+            self.kv[layer, 1].narrow(1, first_slot, length).copy_(v[rows].transpose(0, 1))
 
     def step_view(
         self, tables: list[BlockTable], lengths: list[int], chunks: Sequence["PromptChunk"] = ()
@@ -49,6 +61,22 @@ class PagedCache:
         """The cache as one decode step sees it: each sequence's `lengths[i]` tokens, one new;
         then, for chunked prefill, prompt chunks whose rows follow the decode rows."""
         return DecodeStepKv(self, tables, lengths, list(chunks))
+
+
+# Below this average run length, one index_copy_ beats a slice copy per run (measured equal at
+# 16 tokens per run, where the per-call cost of the slices cancels their speed).
+MIN_TOKENS_PER_RUN = 64
+
+
+def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first token, first slot, length) of each run of consecutive slots, in token order."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, slots[start], i - start))
+            start = i
+    return runs
 
 
 class DecodeStepKv:

@@ -63,7 +63,7 @@ def chunk_parts(chunk: OutChunk) -> list:
             token_end=h.token_end,
             dtype=DTYPE_TO_PB[h.dtype],
             shape=list(h.shape),
-            crc32=h.crc32,
+            crc32c=h.crc32c,
             model_fingerprint=h.model_fingerprint,
             encoding=ENCODING_TO_PB[h.encoding],
         )
@@ -141,7 +141,7 @@ def _header(c: pb.KvChunk) -> ChunkHeader:
         token_end=c.token_end,
         dtype=DTYPE_FROM_PB.get(c.dtype, "unspecified"),
         shape=tuple(c.shape),
-        crc32=c.crc32,
+        crc32c=c.crc32c,
         model_fingerprint=c.model_fingerprint,
         lease_id=c.lease_id,
         encoding=ENCODING_FROM_PB.get(c.encoding, f"unknown ({c.encoding})"),

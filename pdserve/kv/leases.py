@@ -90,7 +90,7 @@ class LeaseTable:
         # larger than the whole pool is left to reserve() to refuse for good.
         if held and held + wanted > share and wanted <= self.pool.num_blocks:
             raise PendingLimit(
-                f"leases waiting for their KV hold {held} of {self.pool.num_blocks} blocks; this "
+                f"KV pool full for new leases: leases waiting for their KV hold {held} of {self.pool.num_blocks} blocks; this "
                 f"one needs {wanted}, over the pending share of {limits.pending_share:g} "
                 f"(--max-pending-lease-share)"
             )

@@ -123,12 +123,12 @@ class KvSink:
             token_end=piece.token_end,
             dtype=cfg.dtype,
             shape=(2, piece.token_end - piece.token_start, cfg.kv_heads, cfg.head_dim),
-            crc32=piece.crc32,
+            crc32c=piece.crc32c,
             model_fingerprint=self.target.model_fingerprint,
             lease_id=self.target.lease_id,
             encoding="int8" if self.target.compression == "int8" else "raw",
         )
-        self._crcs.append(piece.crc32)
+        self._crcs.append(piece.crc32c)
         self.bytes += header.shape[1] * 2 * cfg.kv_heads * cfg.head_dim * cfg.bytes_per_element
         self.wire_bytes += piece.nbytes
         return OutChunk(header, piece.parts)

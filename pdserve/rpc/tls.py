@@ -20,6 +20,8 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.rpc.api_key import ApiKeyInterceptor, aio_api_key_interceptors, api_key_metadata
+
 log = logging.getLogger(__name__)
 
 # Internal methods and the one role that may call each.
@@ -78,6 +80,13 @@ class Tls:
         ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
+    def https_context(self) -> ssl.SSLContext:
+        """For the HTTP API: the same certificate, and no client certificate asked for (its
+        clients show an API key instead)."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.paths[0], self.paths[1])
+        return ctx
+
     def client_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.paths[2])
         ctx.load_cert_chain(self.paths[0], self.paths[1])
@@ -87,17 +96,19 @@ class Tls:
 def client_channel(address: str) -> grpc.Channel:
     """A blocking channel for the command-line clients (generate, chat, health): TLS when
     PDSERVE_TLS_CA is set (with PDSERVE_TLS_CERT and PDSERVE_TLS_KEY, also a client
-    certificate), plaintext otherwise."""
+    certificate), plaintext otherwise; PDSERVE_API_KEY's key on every call (rpc/api_key.py)."""
     creds = _client_credentials_from_env()
-    return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    return grpc.intercept_channel(channel, ApiKeyInterceptor()) if api_key_metadata() else channel
 
 
 def aio_client_channel(address: str) -> grpc.aio.Channel:
     """client_channel for asyncio clients (the load client)."""
     creds = _client_credentials_from_env()
+    interceptors = aio_api_key_interceptors() or None
     if creds is None:
-        return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, creds)
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, interceptors=interceptors)
 
 
 def _client_credentials_from_env() -> grpc.ChannelCredentials | None:

@@ -9,10 +9,11 @@ import grpc
 from pdserve import metrics
 
 from pdserve.core.block_pool import NeverFits, PoolExhausted
-from pdserve.core.request import GenerateSpec, InvalidRequest, validate
+from pdserve.core.request import GenerateSpec, validate
 from pdserve.core.sequence import FinishReason
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert, model_info
+from pdserve.rpc.errors import ServiceError
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -42,20 +43,15 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
     @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.perf_counter()
-        try:
-            spec = validate(convert.spec_from_generate(request, self.served.tokenizer), self.config)
-        except InvalidRequest as exc:
-            metrics.record_request("colocated", "INVALID_ARGUMENT")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        spec = validate(convert.spec_from_generate(request, self.served.tokenizer), self.config)
         events, sink = emission_queue()
-        handle = await self._submit(spec, sink, context)
+        handle = await self._submit(spec, sink)
         try:
             first_token_at = None
             while True:
                 emission = await events.get()
                 if emission.error is not None:
-                    metrics.record_request("colocated", "INTERNAL")
-                    await context.abort(grpc.StatusCode.INTERNAL, emission.error)
+                    raise ServiceError(grpc.StatusCode.INTERNAL, emission.error)
                 first_token_at = first_token_at or time.perf_counter()
                 response = pb.GenerateResponse(
                     request_id=spec.request_id, token_ids=emission.token_ids, text=emission.text
@@ -68,22 +64,18 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
         finally:
             self.engine.abort(handle)
 
-    async def _submit(self, spec: GenerateSpec, sink, context) -> Handle:
+    async def _submit(self, spec: GenerateSpec, sink) -> Handle:
         """Queues the request once the pool has room, waiting (bounded) while it has none."""
         give_up = time.monotonic() + QUEUE_TIMEOUT_SECONDS
         backoff = FIRST_BACKOFF_SECONDS
         while True:
             try:
                 return self.engine.submit(spec, sink)
-            except NeverFits as exc:
-                metrics.record_request("colocated", "RESOURCE_EXHAUSTED")
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"request larger than the KV pool: {exc}"
-                )
-            except PoolExhausted as exc:
+            except NeverFits:
+                raise  # waiting will not help
+            except PoolExhausted:
                 if time.monotonic() + backoff > give_up:
-                    metrics.record_request("colocated", "RESOURCE_EXHAUSTED")
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV pool full: {exc}")
+                    raise
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
@@ -125,7 +117,7 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
 
 
 async def serve(served: ServedModel, settings: ColocatedSettings) -> None:
-    server = Server.for_settings(settings.common, internal=False)
+    server = Server.for_settings(settings.common, internal=False, service="colocated")
     instance = settings.common.instance or instance_name(
         "colocated", settings.common.host, server.port
     )

@@ -10,14 +10,14 @@ import time
 import grpc
 
 from pdserve import metrics
-from pdserve.core.block_pool import NeverFits, PoolExhausted
-from pdserve.core.request import InvalidRequest, validate
+from pdserve.core.request import validate
 from pdserve.kv.grpc_transport import push_kv_handler
 from pdserve.kv.leases import Lease, LeaseLimits, LeaseState, LeaseTable
 from pdserve.kv.receiver import KvReceiver
 from pdserve.kv.tcp_transport import DataPlaneServer
-from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
+from pdserve.models.loading import ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
+from pdserve.rpc.errors import ServiceError
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -55,18 +55,13 @@ class DecodeServicer:
 
     @admitted
     async def Decode(self, request: pb.DecodeRequest, context):
-        try:
-            check_same_model(self.served, request.model_fingerprint, "the lease request")
-            spec = validate(
-                convert.spec_from_internal(
-                    request.request_id, request.prompt_token_ids, request.sampling
-                ),
-                self.config,
-            )
-        except ModelMismatch as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        check_same_model(self.served, request.model_fingerprint, "the lease request")
+        spec = validate(
+            convert.spec_from_internal(
+                request.request_id, request.prompt_token_ids, request.sampling
+            ),
+            self.config,
+        )
         events, sink = emission_queue()
         ttl = self.settings.lease_ttl_seconds
         if 0 < request.lease_ttl_seconds < ttl:  # a caller may shorten the lease, not lengthen it
@@ -74,16 +69,7 @@ class DecodeServicer:
         limits = LeaseLimits(
             ttl, self.settings.lease_first_chunk_seconds, self.settings.max_pending_lease_share
         )
-        try:
-            lease = self.leases.grant(spec, limits, sink)
-        except NeverFits as exc:
-            metrics.REQUESTS.labels("decode", "error", "OUT_OF_RANGE").inc()
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE, f"request larger than the pool: {exc}"
-            )
-        except PoolExhausted as exc:
-            metrics.REQUESTS.labels("decode", "error", "RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full: {exc}")
+        lease = self.leases.grant(spec, limits, sink)  # NeverFits, PoolExhausted: errors.py
         log.debug(
             "lease %s granted for request %s (%d blocks)",
             lease.lease_id,
@@ -109,8 +95,7 @@ class DecodeServicer:
         while True:
             emission = await events.get()
             if emission.error is not None:
-                metrics.REQUESTS.labels("decode", "error", "ABORTED").inc()
-                await context.abort(grpc.StatusCode.ABORTED, emission.error)
+                raise ServiceError(grpc.StatusCode.ABORTED, emission.error)
             tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
             if emission.finish_reason is None:
                 yield pb.DecodeResponse(tokens=tokens)
@@ -183,7 +168,7 @@ class DecodeServicer:
 
 
 async def serve(served: ServedModel, settings: DecodeSettings) -> None:
-    server = Server.for_settings(settings.common, internal=True)
+    server = Server.for_settings(settings.common, internal=True, service="decode")
     instance = settings.common.instance or instance_name(
         "decode", settings.common.host, server.port
     )

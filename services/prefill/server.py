@@ -12,14 +12,15 @@ from pdserve import metrics
 
 from pdserve.core.engine_loop import EngineLoop
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
-from pdserve.core.request import InvalidRequest, validate
+from pdserve.core.request import validate
 from pdserve.kv.grpc_transport import GrpcKvSink
 from pdserve.kv.leases import shown
 from pdserve.kv.receiver import Committed
 from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import TcpKvSink
-from pdserve.models.loading import ModelMismatch, ServedModel, check_same_model
+from pdserve.models.loading import ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
+from pdserve.rpc.errors import ServiceError
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -82,15 +83,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         if self.broken:
-            await context.abort(
+            raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE, f"this prefill instance's engine failed: {self.broken}"
             )
-        await self.admission.refuse_if_draining(context)
-        await self._refuse_beyond_limits(request, context)
+        self.admission.refuse_if_draining()
+        self._refuse_beyond_limits(request)
         with self.admission.track():
             return await self._prefill(request, context)
 
-    async def _refuse_beyond_limits(self, request: pb.PrefillRequest, context) -> None:
+    def _refuse_beyond_limits(self, request: pb.PrefillRequest) -> None:
         """RESOURCE_EXHAUSTED, naming the limit, rather than a queue that grows without bound."""
         s = self.settings
         if self.admission.in_flight >= s.max_concurrent_prefills:
@@ -106,34 +107,27 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             )
         else:
             return
-        metrics.REQUESTS.labels("prefill", "error", "RESOURCE_EXHAUSTED").inc()
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill is full: {why}")
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill is full: {why}")
 
     async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        try:
-            check_same_model(self.served, request.model_fingerprint, "the prefill request")
-            spec = validate(
-                convert.spec_from_internal(
-                    request.request_id, request.prompt_token_ids, request.sampling
-                ),
-                self.config,
-            )
-        except ModelMismatch as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        check_same_model(self.served, request.model_fingerprint, "the prefill request")
+        spec = validate(
+            convert.spec_from_internal(
+                request.request_id, request.prompt_token_ids, request.sampling
+            ),
+            self.config,
+        )
         if not request.lease_id or not request.decode_address:
-            await context.abort(
+            raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT, "lease_id and decode_address are required"
             )
         refusal = await self._decode_not_allowed(request.decode_address)
         if refusal:
-            metrics.REQUESTS.labels("prefill", "error", "PERMISSION_DENIED").inc()
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             sink = await self._open_sink(request, spec)
         except KvTransferFailed as exc:
-            await self._push_failed(context, request, exc, "tcp")
+            raise _push_failed(request, exc, "tcp") from None
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         job = PrefillJob(
@@ -152,9 +146,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             sink.commit(first_token)
             committed = await push
         except KvTransferFailed as exc:
-            await self._push_failed(context, request, exc, sink.transport)
+            raise _push_failed(request, exc, sink.transport) from None
         except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            raise ServiceError(grpc.StatusCode.INTERNAL, str(exc)) from None
         finally:
             job.cancelled = True
             push.cancel()
@@ -211,14 +205,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 "FAILED_PRECONDITION", "decode offers no TCP data plane and --kv-transport is tcp"
             )
         return GrpcKvSink(target, faults, self._channel(request.decode_address))
-
-    async def _push_failed(self, context, request, exc: KvTransferFailed, transport: str):
-        metrics.REQUESTS.labels("prefill", "error", exc.code).inc()
-        await context.abort(
-            _push_status(exc.code),
-            f"KV push to decode {request.decode_address} over {transport} failed: "
-            f"{exc.code}: {exc.message}",
-        )
 
     def _reply(
         self,
@@ -281,12 +267,18 @@ async def _first_of(done: asyncio.Future, push: asyncio.Future):
     return done.result()
 
 
-def _push_status(code: str) -> grpc.StatusCode:
-    """ABORTED: the handoff failed on the decode side (this prefill is fine); the details say why."""
-    return (
+def _push_failed(request: pb.PrefillRequest, exc: KvTransferFailed, transport: str):
+    """ABORTED: the handoff failed on the decode side (this prefill is fine); the details say why.
+    A push that ran out of time stays DEADLINE_EXCEEDED."""
+    code = (
         grpc.StatusCode.DEADLINE_EXCEEDED
-        if code == "DEADLINE_EXCEEDED"
+        if exc.code == "DEADLINE_EXCEEDED"
         else grpc.StatusCode.ABORTED
+    )
+    return ServiceError(
+        code,
+        f"KV push to decode {request.decode_address} over {transport} failed: "
+        f"{exc.code}: {exc.message}",
     )
 
 
@@ -297,7 +289,7 @@ def _host_of(address: str) -> str:
 
 
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:
-    server = Server.for_settings(settings.common, internal=True)
+    server = Server.for_settings(settings.common, internal=True, service="prefill")
     instance = settings.common.instance or instance_name(
         "prefill", settings.common.host, server.port
     )

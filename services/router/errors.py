@@ -1,6 +1,10 @@
 """How the router's failures are told apart: final ones, and those worth a try elsewhere."""
 
+import re
+
 import grpc
+
+from pdserve.rpc.errors import ServiceError
 
 # A backend failing with these is worth another try elsewhere; the others are final.
 RETRYABLE = {
@@ -14,10 +18,8 @@ RETRYABLE = {
 }
 
 
-class RouterError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class RouterError(ServiceError):
+    """A request's final failure, with the status the client gets (pdserve.rpc.errors)."""
 
 
 class HandoffFailed(RouterError):
@@ -28,22 +30,16 @@ class HandoffFailed(RouterError):
         self.instances = instances
 
 
-# The HTTP front's status for each final gRPC code, and the OpenAI error type that goes with it.
-# Codes missing here are the router's own failures: 500.
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    # Another model behind the router, no backend up, or this router draining: come back later.
-    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.ABORTED: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-}
+# Where an internal instance lives is for the router's log, not for the public client: IPv6 in
+# brackets, IPv4, host:port (DNS names too) and unix: paths.
+_INTERNAL_ADDRESS = re.compile(
+    r"\[[0-9A-Fa-f:.]+\](?::\d+)?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"
+    r"|\b[A-Za-z0-9][A-Za-z0-9.-]*:\d{2,5}\b"
+    r"|\bunix:\S+"
+)
 
 
-def http_status(code: grpc.StatusCode) -> tuple[int, str]:
-    """(HTTP status, OpenAI error type) for a RouterError's code."""
-    return HTTP_STATUS.get(code, (500, "internal_error"))
+def public_message(message: str) -> str:
+    """The message with every internal address replaced, for the client to see."""
+    return _INTERNAL_ADDRESS.sub("(internal address)", message)

@@ -18,7 +18,6 @@ task, and with it the decode and prefill calls, so its KV blocks are freed at on
 """
 
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -28,10 +27,13 @@ from aiohttp import web
 
 from pdserve import metrics
 from pdserve.models.loading import ServedModel
+from pdserve.rpc.tls import Tls, check_plaintext_allowed
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router import openai_format as fmt
-from pdserve.services.router.errors import RouterError, http_status
+from pdserve.rpc.errors import http_status
+from pdserve.services.router.clients import ApiKeys
+from pdserve.services.router.errors import RouterError
 from pdserve.services.router.openai_schema import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # server.py starts this front
 
 log = logging.getLogger(__name__)
 
+CLIENT = web.RequestKey("client", str)  # who sent it (services/router/clients.py), set by _auth
 RETRY_AFTER_SECONDS = 1  # told to a client refused as overloaded (429)
 STOP_SECONDS = 1.0  # after the router's drain: how long open HTTP connections get to close
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -54,7 +57,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class HttpApi:
     def __init__(self, router: "RouterServicer", served: ServedModel, api_key: str) -> None:
         self.router, self.served = router, served
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._keys = ApiKeys(api_key)
         self._started = int(time.time())
 
     def app(self) -> web.Application:
@@ -91,7 +94,9 @@ class HttpApi:
         reply = fmt.Reply(parsed.kind, parsed.request_id, self.served.name)
         tokenizer, max_context = self.served.tokenizer, self.served.config.max_context
         # No client deadline over HTTP: --request-timeout-seconds bounds the request.
-        responses = self.router.generate(lambda: parsed.spec(tokenizer, max_context), None)
+        responses = self.router.generate(
+            lambda: parsed.spec(tokenizer, max_context), None, request[CLIENT]
+        )
         async with contextlib.aclosing(responses):
             if parsed.stream:
                 return await _stream(request, reply, responses, parsed.include_usage)
@@ -114,11 +119,13 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """With --api-key, /v1/* needs `Authorization: Bearer <key>`, compared in constant time."""
-        if self._key is None or not request.path.startswith("/v1/"):
+        """With --api-key, /v1/* needs `Authorization: Bearer <key>`, compared in constant time.
+        The key found, or else the peer's address, is the client for the per-client limits."""
+        request[CLIENT] = request.remote or "unknown"
+        if not self._keys.required or not request.path.startswith("/v1/"):
             return await handler(request)
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, self._key):
+        client = self._keys.client_of(request.headers.get("Authorization", ""))
+        if client is None:
             return _error_response(
                 401,
                 fmt.error(
@@ -128,6 +135,7 @@ class HttpApi:
                 ),
                 {"WWW-Authenticate": "Bearer"},
             )
+        request[CLIENT] = client
         return await handler(request)
 
 
@@ -242,16 +250,25 @@ async def start(
     runner = web.AppRunner(
         api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_SECONDS
     )
+    common = settings.common
+    # HTTPS with the router's own certificate when it has one; plaintext only where gRPC
+    # plaintext would be allowed too (loopback, or --insecure).
+    tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
+    if tls is None:
+        check_plaintext_allowed(common.host, common.insecure, f"HTTP API port {settings.http_port}")
     await runner.setup()
-    site = web.TCPSite(runner, settings.common.host, settings.http_port)
+    site = web.TCPSite(
+        runner, common.host, settings.http_port, ssl_context=tls.https_context() if tls else None
+    )
     try:
         await site.start()
     except OSError:
         await runner.cleanup()
         raise
     log.info(
-        "HTTP API (OpenAI-compatible) on %s:%d%s",
-        settings.common.host,
+        "HTTP API (OpenAI-compatible) on %s://%s:%d%s",
+        "https" if tls else "http",
+        common.host,
         settings.http_port,
         ", API key required on /v1/*" if settings.api_key else "",
     )

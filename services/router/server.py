@@ -30,7 +30,13 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router import http_api
 from pdserve.services.router.backends import BackendSet, Instance
-from pdserve.services.router.errors import RETRYABLE, HandoffFailed, RouterError
+from pdserve.services.router.clients import ApiKeys, ClientLimits, grpc_peer_host
+from pdserve.services.router.errors import (
+    RETRYABLE,
+    HandoffFailed,
+    RouterError,
+    public_message,
+)
 from pdserve.services.router.policy import make_policy
 from pdserve.services.router.reservation import Inflight, Reservation, ReservationLine
 
@@ -65,27 +71,45 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         )
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
+        self.api_keys = ApiKeys(settings.api_key)
+        self.clients = ClientLimits(
+            settings.max_streams_per_client, settings.max_tokens_per_second_per_client
+        )
 
     async def Generate(self, request: pb.GenerateRequest, context):
         responses = self.generate(
             lambda: convert.spec_from_generate(request, self.served.tokenizer),
             context.time_remaining(),
+            self._client_of(context),
         )
-        try:
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    yield response
-        except RouterError as exc:
-            await context.abort(exc.code, str(exc))
+        async with contextlib.aclosing(responses):  # a RouterError: pdserve.rpc.errors
+            async for response in responses:
+                yield response
+
+    def _client_of(self, context) -> str:
+        """The API key the call carries ('key #i'), or its address when the router has no keys.
+        Raises RouterError UNAUTHENTICATED when keys are required and none of them came."""
+        if not self.api_keys.required:
+            return grpc_peer_host(context.peer())
+        metadata = dict(context.invocation_metadata() or ())
+        client = self.api_keys.client_of(str(metadata.get("authorization", "")))
+        if client is None:
+            metrics.record_request("router", "UNAUTHENTICATED")
+            raise RouterError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required: metadata 'authorization: Bearer <key>'",
+            )
+        return client
 
     async def generate(
-        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None
+        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None, client: str
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """One request's whole life in the router, whichever front it came through (gRPC or
         HTTP): admission, validation, reservation, prefill, relay and retries.
 
         `make_spec` tokenizes the request: its InvalidRequest is reported like every other bad
-        input. `time_remaining` is the client's deadline, if it set one. Raises RouterError; the
+        input. `time_remaining` is the client's deadline, if it set one. `client` is who sent it
+        (services/router/clients.py), for the per-client limits. Raises RouterError; the
         caller must close the generator (contextlib.aclosing) so that a client who leaves
         cancels the backend calls at once.
         """
@@ -97,13 +121,15 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             inflight = None
             try:
                 inflight = self._inflight(make_spec, time_remaining)
-                async for response in self._with_retries(inflight):
-                    yield response
+                with self.clients.admitted(client, inflight.spec.prompt_len) as spend:
+                    async for response in self._with_retries(inflight):
+                        spend(len(response.token_ids))
+                        yield response
             except RouterError as exc:
                 request_id = inflight.spec.request_id if inflight else "(invalid)"
                 log.info("request %s failed: %s %s", request_id, exc.code.name, exc)
                 metrics.record_request("router", exc.code.name)
-                raise
+                raise RouterError(exc.code, public_message(str(exc))) from None
 
     def _inflight(
         self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None
@@ -395,7 +421,7 @@ def _failed(call: asyncio.Future) -> bool:
 
 
 async def serve(served: ServedModel, settings: RouterSettings) -> None:
-    server = Server.for_settings(settings.common, internal=False)
+    server = Server.for_settings(settings.common, internal=False, service=None)  # generate() counts
     servicer = RouterServicer(served, settings)
     pb_grpc.add_RouterServiceServicer_to_server(servicer, server.grpc)
     model_info.add_to_server(served, server.grpc)

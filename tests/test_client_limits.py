@@ -1,0 +1,166 @@
+"""The router's API keys on gRPC, and its per-client limits: no one client takes the others' share.
+
+Each test starts its own router, with the flags under test, over one prefill and one decode.
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from procs import Stack, free_port, generate, greedy_request, start_router, start_service
+from procs import wait_until
+from pdserve.rpc.tls import aio_client_channel
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+KEYS = "key-of-alice,key-of-bob"
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("client-limits"))
+    decode = start_service("decode", "--torch-threads", "1", tmp_dir=tmp)
+    prefill = start_service("prefill", "--torch-threads", "1", tmp_dir=tmp)
+    yield prefill, decode, tmp
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture
+def router_with(backends):
+    prefill, decode, tmp = backends
+    started: list[Stack] = []
+
+    def start(*flags: str) -> Stack:
+        router = start_router([prefill], [decode], *flags, tmp_dir=tmp)
+        started.append(Stack(router, [prefill], [decode]))
+        return started[-1]
+
+    yield start
+    for stack in started:
+        wait_until(stack.pools_settled, 30, "the decode pool to be whole again")
+        stack.router.stop()
+        stack.channels.clear()
+
+
+def as_client(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def refusal(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value
+
+
+def test_generate_over_grpc_needs_one_of_the_api_keys(router_with):
+    stack = router_with("--api-key", KEYS)
+    stub, request = stack.router_stub(), greedy_request([1, 2, 3], 4)
+    for metadata in ([], as_client("key-of-eve"), [("authorization", "key-of-bob")]):
+        err = refusal(lambda: list(stub.Generate(request, timeout=10, metadata=metadata)))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "API key" in err.details() and "key-of" not in err.details()
+    for key in KEYS.split(","):
+        responses = list(stub.Generate(request, timeout=30, metadata=as_client(key)))
+        assert sum(len(r.token_ids) for r in responses) == 4
+    assert "key-of" not in stack.router.log()
+
+
+def test_pdserves_own_clients_send_the_key_from_the_environment(router_with, monkeypatch):
+    """`pdserve generate` (a blocking channel) and the load client's asyncio channel send
+    PDSERVE_API_KEY's first key; without it the router refuses them."""
+    stack = router_with("--api-key", KEYS)
+    command = [sys.executable, "-m", "pdserve.cli", "generate", "hi", "--max-tokens", "3"]
+    command += ["--address", stack.router.address]
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stdout + refused.stderr
+    env["PDSERVE_API_KEY"] = "key-of-bob,unused"
+    served = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert served.returncode == 0, served.stdout + served.stderr
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "key-of-alice")
+
+    async def over_asyncio() -> int:
+        async with aio_client_channel(stack.router.address) as channel:
+            call = pb_grpc.RouterServiceStub(channel).Generate(
+                greedy_request([1, 2], 3), timeout=30
+            )
+            return sum([len(r.token_ids) async for r in call])
+
+    assert asyncio.run(over_asyncio()) == 3
+
+
+def test_streams_beyond_the_per_client_limit_are_refused_by_name(router_with):
+    """Alice holds her 2 streams open; her third is refused, naming the limit, while Bob is
+    served. Once one of hers ends, she is served again."""
+    stack = router_with("--api-key", KEYS, "--max-streams-per-client", "2")
+    stub, long = stack.router_stub(), greedy_request([1, 2, 3], 400)
+    open_streams = [stub.Generate(long, timeout=60, metadata=as_client("key-of-alice"))]
+    open_streams.append(stub.Generate(long, timeout=60, metadata=as_client("key-of-alice")))
+    for stream in open_streams:
+        next(stream)  # admitted, and streaming
+    short = greedy_request([4, 5], 3)
+    err = refusal(lambda: generate_as(stub, short, "key-of-alice"))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-streams-per-client 2" in err.details() and "key #1" in err.details()
+    assert len(generate_as(stub, short, "key-of-bob")) == 3
+    open_streams[0].cancel()
+    assert len(wait_until(lambda: served_as(stub, short, "key-of-alice"), 10, "room again")) == 3
+    open_streams[1].cancel()
+
+
+def test_a_client_over_its_token_rate_waits_and_the_others_do_not(router_with):
+    """20 tokens/s, so a bucket of 40: a request of 3 + 60 tokens overdraws it. Alice's next
+    request is refused with the time to wait; Bob's is served; after that wait, Alice's too."""
+    stack = router_with("--api-key", KEYS, "--max-tokens-per-second-per-client", "20")
+    stub = stack.router_stub()
+    assert len(generate_as(stub, greedy_request([1, 2, 3], 60), "key-of-alice")) == 60
+    err = refusal(lambda: generate_as(stub, greedy_request([1], 2), "key-of-alice"))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-tokens-per-second-per-client 20" in err.details() and "try again" in err.details()
+    assert len(generate_as(stub, greedy_request([1], 2), "key-of-bob")) == 2
+    request = greedy_request([1], 2)
+    assert wait_until(lambda: served_as(stub, request, "key-of-alice"), 10, "Alice's bucket")
+
+
+def test_without_keys_a_client_is_its_address_and_http_shares_the_limits(router_with):
+    """No keys: every caller here is 127.0.0.1, one client, over gRPC and HTTP alike. HTTP
+    answers the refusal 429 in OpenAI's error shape, naming the limit."""
+    http_port = free_port()
+    stack = router_with("--http-port", str(http_port), "--max-tokens-per-second-per-client", "20")
+    stub = stack.router_stub()
+    assert len(generate(stub, greedy_request([1, 2, 3], 60))[0]) == 60
+    body = json.dumps({"model": "tinygpt", "prompt": "hi", "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == 429
+    assert "--max-tokens-per-second-per-client" in json.load(err.value)["error"]["message"]
+
+
+def generate_as(stub: pb_grpc.RouterServiceStub, request, key: str) -> list[int]:
+    tokens = []
+    for response in stub.Generate(request, timeout=30, metadata=as_client(key)):
+        tokens.extend(response.token_ids)
+    return tokens
+
+
+def served_as(stub, request, key: str) -> list[int] | None:
+    """The tokens, or None while the router refuses the client for a limit."""
+    try:
+        return generate_as(stub, request, key)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None
