@@ -25,10 +25,17 @@ class Stack:
     prefills: list[Service]
     decodes: list[Service]
     channels: dict = field(default_factory=dict)
+    # TLS credentials for every channel (the router role's, which decode's GetPoolStats needs);
+    # None: plaintext.
+    credentials: grpc.ChannelCredentials | None = None
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self.channels:
-            self.channels[address] = grpc.insecure_channel(address)
+            self.channels[address] = (
+                grpc.secure_channel(address, self.credentials)
+                if self.credentials
+                else grpc.insecure_channel(address)
+            )
         return self.channels[address]
 
     def router_stub(self) -> pb_grpc.RouterServiceStub:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from pdserve.certs import make_dev_certs
 from procs import Stack, generate, greedy_request, start_router, start_service, wait_until
 from pdserve.v1 import pdserve_pb2 as pb
 
@@ -18,24 +19,59 @@ STALL = "stall_after_chunks=1,stall_seconds=3"
 THREADS = ("--torch-threads", "1")
 
 
-@pytest.fixture
-def services(tmp_path):
-    """Starts services on demand and stops every one of them at the end of the test."""
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_dev_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(params=["plaintext", "mtls"])
+def services(request, tmp_path, certs):
+    """Starts services on demand and stops every one of them at the end of the test. Every test
+    runs twice: in plaintext, and with every service and client on mutual TLS."""
     started = []
+    mtls = request.param == "mtls"
+
+    def tls(role):
+        if not mtls:
+            return ()
+        return ("--tls-cert", f"{certs}/{role}.pem", "--tls-key", f"{certs}/{role}-key.pem") + (
+            "--tls-ca",
+            f"{certs}/ca.pem",
+        )
 
     def start(role, *flags, faults="", port=None):
-        service = start_service(
-            role, *THREADS, *flags, tmp_dir=str(tmp_path), faults=faults, port=port
-        )
+        flags = (*THREADS, *tls(role), *flags)
+        service = start_service(role, *flags, tmp_dir=str(tmp_path), faults=faults, port=port)
         started.append(service)
         return service
 
     def router(prefills, decodes, *flags, port=None):
+        flags = (*tls("router"), *flags)
         service = start_router(prefills, decodes, *flags, tmp_dir=str(tmp_path), port=port)
         started.append(service)
         return service
 
+    # As the router: its certificate opens the router's port and decode's GetPoolStats alike.
+    credentials = (
+        grpc.ssl_channel_credentials(
+            (certs / "ca.pem").read_bytes(),
+            (certs / "router-key.pem").read_bytes(),
+            (certs / "router.pem").read_bytes(),
+        )
+        if mtls
+        else None
+    )
+
+    def channel(address: str) -> grpc.Channel:
+        if credentials is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, credentials)
+
     start.router = router
+    start.channel = channel
+    start.stack = lambda router, prefills, decodes: Stack(
+        router, prefills, decodes, credentials=credentials
+    )
     yield start
     for service in started:
         service.stop(signal.SIGKILL)
@@ -57,7 +93,7 @@ def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
     router = services.router(
         [prefill], [decode], "--max-queue", "40", "--queue-timeout-seconds", "3"
     )
-    stack = Stack(router, [prefill], [decode])
+    stack = services.stack(router, [prefill], [decode])
     stub = stack.router_stub()
 
     def one(i):
@@ -79,7 +115,7 @@ def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
 def test_request_larger_than_the_pool_is_refused_at_once(services):
     decode = services("decode", "--num-blocks", "24")  # 384 tokens in all
     prefill = services("prefill")
-    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    stack = services.stack(services.router([prefill], [decode]), [prefill], [decode])
     err = rpc_error(lambda: generate(stack.router_stub(), greedy_request([1] * 300, 200), 10))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "whole pool" in err.details()
     # The router's log names the decode that refused; the client's status names no address.
@@ -108,7 +144,7 @@ def pending_on(stack: Stack) -> int:
 def test_decode_killed_mid_transfer_request_completes_on_the_other(services):
     decodes = [services("decode"), services("decode")]
     prefill = services("prefill", faults=STALL)
-    stack = Stack(services.router([prefill], decodes), [prefill], decodes)
+    stack = services.stack(services.router([prefill], decodes), [prefill], decodes)
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(generate, stack.router_stub(), greedy_request(list(range(200)), 6))
         victim = wait_until(lambda: pending_on(stack), 10, "a lease mid-transfer") - 1
@@ -140,9 +176,9 @@ def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(ser
     decodes = [services("decode"), services("decode", faults="decode_crash_after_steps=20")]
     prefill = services("prefill")
     # The uninterrupted run, through a router that knows only the healthy decode.
-    alone = Stack(services.router([prefill], decodes[:1]), [prefill], decodes[:1])
+    alone = services.stack(services.router([prefill], decodes[:1]), [prefill], decodes[:1])
     uninterrupted, _, _ = generate(alone.router_stub(), _migrated_request(sampling), 60)
-    stack = Stack(services.router([prefill], decodes), [prefill], decodes)
+    stack = services.stack(services.router([prefill], decodes), [prefill], decodes)
     migrated = expected = None
     for _ in range(4):  # round robin: within a few requests one lands on the faulty decode
         tokens, _, last = generate(stack.router_stub(), _migrated_request(sampling), 60)
@@ -161,7 +197,9 @@ def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(ser
 def test_migration_off_ends_with_unavailable(services):
     decodes = [services("decode"), services("decode")]
     prefill = services("prefill")
-    stack = Stack(services.router([prefill], decodes, "--max-migrations", "0"), [prefill], decodes)
+    stack = services.stack(
+        services.router([prefill], decodes, "--max-migrations", "0"), [prefill], decodes
+    )
     call = stack.router_stub().Generate(greedy_request([5] * 20, 3000), timeout=60)
     assert next(call).token_ids
     victim = next(i for i in range(2) if stack.pool_stats(i).running)
@@ -175,7 +213,7 @@ def test_migration_off_ends_with_unavailable(services):
 def test_prefill_killed_mid_transfer_then_replaced(services):
     decode = services("decode")
     prefill = services("prefill", faults=STALL)
-    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    stack = services.stack(services.router([prefill], [decode]), [prefill], [decode])
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(generate, stack.router_stub(), greedy_request(list(range(200)), 6))
         wait_until(lambda: pending_on(stack), 10, "a lease mid-transfer")
@@ -202,7 +240,7 @@ def _try_generate(stack: Stack):
 def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
     decode = services("decode")
     prefills = [services("prefill", faults="drop_after_chunks=2"), services("prefill")]
-    stack = Stack(services.router(prefills, [decode]), prefills, [decode])
+    stack = services.stack(services.router(prefills, [decode]), prefills, [decode])
     attempts = []
     for i in range(4):
         tokens, _, last = generate(stack.router_stub(), greedy_request([i + 1] * 100, 5))
@@ -217,7 +255,7 @@ def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
 def test_corrupted_chunk_is_refused_and_reported(services):
     decode = services("decode")
     prefill = services("prefill", faults="corrupt_chunk=1")
-    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    stack = services.stack(services.router([prefill], [decode]), [prefill], [decode])
     err = rpc_error(lambda: generate(stack.router_stub(), greedy_request([7] * 100, 5)))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "CRC-32" in err.details() and "3 times" in err.details()
@@ -228,7 +266,7 @@ def test_router_killed_while_decode_holds_leases_blocks_return(services):
     decode = services("decode")
     prefill = services("prefill", faults=STALL)
     router = services.router([prefill], [decode])
-    stack = Stack(router, [prefill], [decode])
+    stack = services.stack(router, [prefill], [decode])
     calls = [
         stack.router_stub().Generate(greedy_request([9] * 150, 5), timeout=30) for _ in range(3)
     ]
@@ -249,7 +287,7 @@ def test_sigterm_drains_router_in_flight_finish_new_refused(services):
     decode = services("decode")
     prefill = services("prefill")
     router = services.router([prefill], [decode], "--grace-seconds", "60")
-    stack = Stack(router, [prefill], [decode])
+    stack = services.stack(router, [prefill], [decode])
     calls = [
         stack.router_stub().Generate(greedy_request([i] * 50, 300), timeout=60) for i in range(6)
     ]
@@ -269,7 +307,7 @@ def test_sigterm_drains_router_in_flight_finish_new_refused(services):
 def test_sigterm_drains_decode(services):
     decode = services("decode", "--grace-seconds", "60")
     prefill = services("prefill")
-    stack = Stack(services.router([prefill], [decode]), [prefill], [decode])
+    stack = services.stack(services.router([prefill], [decode]), [prefill], [decode])
     calls = [
         stack.router_stub().Generate(greedy_request([i] * 30, 200), timeout=60) for i in range(4)
     ]
@@ -291,7 +329,7 @@ def _refused(stack: Stack):
 def test_router_bounds_a_request_whose_client_set_no_deadline(services):
     decode = services("decode")
     prefill = services("prefill")
-    stack = Stack(
+    stack = services.stack(
         services.router([prefill], [decode], "--request-timeout-seconds", "1"), [prefill], [decode]
     )
     call = stack.router_stub().Generate(greedy_request([3] * 20, 3500))  # no client deadline
@@ -312,7 +350,7 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
     model = load_served_model("tinygpt", weights=False).fingerprint
     decode = services("decode")
     prefill = services("prefill", faults="prefill_engine_crash_at_step=1")
-    with grpc.insecure_channel(decode.address) as d, grpc.insecure_channel(prefill.address) as p:
+    with services.channel(decode.address) as d, services.channel(prefill.address) as p:
         lease_call = pb_grpc.DecodeServiceStub(d).Decode(
             pb.DecodeRequest(
                 request_id="r",
@@ -337,7 +375,11 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
         assert time.monotonic() - started < 1.0
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "prefill engine loop fails" in err.value.details()
-        wait_until(lambda: not check_health(prefill.address, 1.0), 5, "prefill to say NOT_SERVING")
+        wait_until(
+            lambda: not check_health(prefill.address, 1.0, services.channel),
+            5,
+            "prefill to say NOT_SERVING",
+        )
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.PrefillServiceStub(p).Prefill(request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
