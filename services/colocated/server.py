@@ -25,7 +25,8 @@ from pdserve.rpc.server import (
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from pdserve.services.colocated.engine import ColocatedEngine, Handle
+from pdserve.core.chunked_prefill import Handle
+from pdserve.services.colocated.engine import ColocatedEngine
 
 log = logging.getLogger(__name__)
 

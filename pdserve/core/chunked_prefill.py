@@ -1,0 +1,239 @@
+"""Prefill inside a decode loop: prompts go through in pieces, in the same forward pass as the
+running decodes, at most `budget` prompt tokens per step (as vLLM's and Sarathi-Serve's chunked
+prefill), so a prompt never stalls the streams beside it for longer than one such step.
+
+The colocated engine runs every prompt this way. The decode service runs short prompts this way
+when the router sends them there (conditional disaggregation), instead of over a handoff.
+
+A Handle is one request inside an engine: its blocks, its prefill, then its sequence. Its first
+token starts the sequence in the decode scheduler; a handle cancelled on the way gives its
+blocks back wherever it is.
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve import metrics
+from pdserve.core.block_pool import BlockTable
+from pdserve.core.decode_scheduler import DecodeScheduler
+from pdserve.core.paged_cache import PagedCache, PromptChunk
+from pdserve.core.prefill_scheduler import PrefillJob, PrefillTiming
+from pdserve.core.request import GenerateSpec
+from pdserve.core.sampling import sample
+from pdserve.core.sequence import Emission, Sequence, Sink
+from pdserve.models.protocol import CausalLM
+
+
+@dataclass
+class Handle:
+    """One request inside the engine: its blocks, its prefill (job or chunks), then its sequence."""
+
+    spec: GenerateSpec
+    table: BlockTable
+    sink: Sink
+    job: PrefillJob | None = None  # the colocated engine's unchunked schedule only
+    sequence: Sequence | None = None
+    timing: PrefillTiming | None = None
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    first_chunk_at: float | None = None
+
+
+@dataclass
+class _Waiting:
+    handle: Handle
+    done: int = 0  # prompt positions already prefilled (or handed out this step)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    handle: Handle
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end == self.handle.spec.prompt_len
+
+
+class ChunkQueue:
+    """Prompts waiting for chunked prefill, first come first served, each with its progress.
+
+    `take` (engine thread) hands out the next prompt positions within a token budget: the head
+    prompt's next piece, then the following prompts'. `remove` (any thread) takes back a prompt
+    that has not had any chunk yet; once a chunk has been taken, the engine thread owns the
+    prompt's blocks."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[_Waiting] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, handle: Handle) -> None:
+        with self._lock:
+            self._waiting.append(_Waiting(handle))
+
+    def remove(self, handle: Handle) -> bool:
+        """True when the prompt was waiting with no chunk taken (the caller frees its blocks)."""
+        with self._lock:
+            for item in self._waiting:
+                if item.handle is handle and item.done == 0:
+                    self._waiting.remove(item)
+                    return True
+            return False
+
+    def drop(self, handle: Handle) -> None:
+        """Forgets a prompt however far it got (engine thread, on cancel or failure)."""
+        with self._lock:
+            for item in [i for i in self._waiting if i.handle is handle]:
+                self._waiting.remove(item)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting)
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiting)
+
+    def take(self, budget: int) -> list[Chunk]:
+        """The next prompt pieces, at most `budget` tokens in all; a completed prompt leaves."""
+        chunks: list[Chunk] = []
+        with self._lock:
+            for item in list(self._waiting):
+                if budget <= 0:
+                    break
+                prompt_len = item.handle.spec.prompt_len
+                end = min(prompt_len, item.done + budget)
+                chunks.append(Chunk(item.handle, item.done, end))
+                budget -= end - item.done
+                item.done = end
+                if end == prompt_len:
+                    self._waiting.remove(item)
+        return chunks
+
+
+class ChunkedPrefill:
+    """Steps that carry every running decode plus the next prompt pieces, within `budget`.
+
+    `service` labels the metrics. `add` and `abort` may be called from any thread; `step` only
+    from the engine thread."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: PagedCache,
+        decode: DecodeScheduler,
+        budget: int,
+        service: str,
+    ) -> None:
+        self.model, self.cache, self.decode = model, cache, decode
+        self.budget, self.service = budget, service
+        self.chunks = ChunkQueue()
+
+    @property
+    def has_work(self) -> bool:
+        return self.chunks.has_work
+
+    def add(self, handle: Handle) -> None:
+        self.chunks.add(handle)
+
+    def step(self) -> None:
+        """schedule (decodes + prompt chunks) -> one forward -> sample decodes and first tokens."""
+        batch = self.decode.schedule()
+        chunks = [c for c in self.chunks.take(self.budget) if self._claim(c)]
+        if not batch and not chunks:
+            return
+        start = time.perf_counter()
+        try:
+            logits = self._forward(batch, chunks)
+        except Exception as exc:  # the prompts in this step fail; the loop fails the decodes
+            for chunk in chunks:
+                self.failed(chunk.handle, f"prefill failed: {exc}")
+            raise
+        self.decode.postprocess(batch, logits[: len(batch)])
+        self._first_tokens([c for c in chunks if c.completes], logits[len(batch) :], start)
+        metrics.DECODE_BATCH.labels(self.service).observe(len(batch))
+        metrics.STEP_SECONDS.labels(self.service, "mixed").observe(time.perf_counter() - start)
+
+    def _forward(self, batch: list[Sequence], chunks: list[Chunk]):
+        """One pass over each decode's newest token and every chunk's prompt tokens; logits only
+        for the decodes and for the last token of each prompt that completes."""
+        tokens = [s.tokens[-1] for s in batch]
+        positions = [s.cached_tokens for s in batch]
+        rows = list(range(len(batch)))
+        for chunk in chunks:
+            chunk.handle.table.ensure(chunk.end)
+            tokens += chunk.handle.spec.prompt_token_ids[chunk.start : chunk.end]
+            positions += range(chunk.start, chunk.end)
+            if chunk.completes:
+                rows.append(len(tokens) - 1)
+        view = self.cache.step_view(
+            [s.table for s in batch],
+            [s.cached_tokens for s in batch],
+            [PromptChunk(c.handle.table, c.start, c.end) for c in chunks],
+        )
+        return self.model.decode_paged(tokens, positions, view, rows)
+
+    def _claim(self, chunk: Chunk) -> bool:
+        """True when the chunk's prompt is still wanted (and notes when its prefill began); a
+        prompt cancelled after its first chunk is dropped here, on the engine thread."""
+        handle = chunk.handle
+        with handle.lock:
+            if handle.cancelled:
+                self.chunks.drop(handle)
+                handle.table.release()
+                return False
+            handle.first_chunk_at = handle.first_chunk_at or time.perf_counter()
+            return True
+
+    def _first_tokens(self, completed: list[Chunk], logits, started: float) -> None:
+        if not completed:
+            return
+        firsts = sample(
+            logits,
+            [c.handle.spec.sampling for c in completed],
+            [c.handle.spec.sampling.first_step for c in completed],
+        )
+        finished = time.perf_counter()
+        for chunk, token in zip(completed, firsts, strict=True):
+            h = chunk.handle
+            began = h.first_chunk_at
+            assert began is not None  # _claim noted it before the prompt's first chunk ran
+            timing = PrefillTiming(
+                began - h.enqueued_at,
+                finished - began,
+                len(completed),
+                h.spec.prompt_len,
+                finished,
+            )
+            metrics.TOKENS.labels(self.service, "prompt").inc(h.spec.prompt_len)
+            self.prefilled(h, token, timing)
+
+    def prefilled(self, handle: Handle, token: int, timing: PrefillTiming) -> None:
+        """The prompt's first token: the sequence starts decoding, unless it was cancelled."""
+        with handle.lock:
+            handle.timing = timing
+            if handle.cancelled:
+                handle.table.release()
+                return
+            handle.sequence = self.decode.start(handle.spec, handle.table, handle.sink, token)
+
+    def failed(self, handle: Handle, message: str) -> None:
+        self.chunks.drop(handle)
+        handle.table.release()
+        handle.sink(Emission((), "", error=message))
+
+    def abort(self, handle: Handle) -> bool:
+        """Cancels the handle. True when the engine loop must be woken to finish the job (it is
+        prefilling or decoding); False when it never ran and its blocks are already back."""
+        with handle.lock:
+            handle.cancelled = True
+            if self.chunks.remove(handle):
+                handle.table.release()  # never ran: nothing else will free its blocks
+                return False
+            if handle.sequence is not None:
+                self.decode.abort(handle.sequence)
+        return True
