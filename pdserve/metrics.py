@@ -147,6 +147,17 @@ def watch_pool(
     RUNNING.labels(service).set_function(running)
 
 
+PREFILL_PATH = Counter(
+    "pdserve_prefill_path_total",
+    "Completed requests by where their prompt was prefilled: 'prefill' (a prefill instance and "
+    "a KV handoff) or 'decode' (the decode instance itself, --local-prefill-tokens)",
+    ["service", "path"],
+)
+LOCAL_PREFILL_THRESHOLD = Gauge(
+    "pdserve_local_prefill_threshold_tokens",
+    "Prompts of at most this many tokens are prefilled on decode (--local-prefill-tokens)",
+    ["service"],
+)
 HTTP_REQUESTS = Counter(
     "pdserve_http_requests_total",
     "Requests to the router's HTTP API, by endpoint (its route; 'other' for unknown paths) and "

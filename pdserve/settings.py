@@ -134,6 +134,12 @@ class DecodeSettings:
         "port of the TCP data plane that receives KV, offered with every lease; 0: any free "
         "port, -1: no data plane (KV over DecodeService.PushKv only)",
     )
+    local_prefill_chunk_tokens: int = setting(
+        256,
+        "decode service: prompt tokens per step when it prefills a short prompt itself (the "
+        "router's --local-prefill-tokens), carried in the same forward pass as the running "
+        "decodes, so they wait at most one such step",
+    )
 
     def __post_init__(self) -> None:
         _positive(
@@ -143,6 +149,7 @@ class DecodeSettings:
             "max_batch",
             "lease_ttl_seconds",
             "lease_first_chunk_seconds",
+            "local_prefill_chunk_tokens",
         )
         if not 0 < self.max_pending_lease_share <= 1:
             raise ValueError(
@@ -263,6 +270,13 @@ class RouterSettings:
         "in the process list",
         secret=True,
     )
+    local_prefill_tokens: str = setting(
+        "0",
+        "prompts of at most this many tokens are prefilled on the decode instance itself, with "
+        "no KV handoff (conditional disaggregation); 'auto' derives the threshold from the "
+        "measured prefill speed, handoff bandwidth and handoff overhead (services/router/"
+        "local_prefill.py); 0: every prompt goes to a prefill instance",
+    )
     max_streams_per_client: int = setting(
         256,
         "requests one client (an API key, or else an address) may have open at once; more get "
@@ -290,6 +304,11 @@ class RouterSettings:
         )
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: expected 0 (off) or a port")
+        if self.local_prefill_tokens != "auto" and not self.local_prefill_tokens.isdigit():
+            raise ValueError(
+                f"--local-prefill-tokens {self.local_prefill_tokens!r}: expected 'auto' or a "
+                "number of tokens (0: off)"
+            )
         for name in ("max_streams_per_client", "max_tokens_per_second_per_client"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_described(self, name)} must be 0 (no limit) or positive")

@@ -90,6 +90,13 @@ class ChunkQueue:
             for item in [i for i in self._waiting if i.handle is handle]:
                 self._waiting.remove(item)
 
+    def drain(self) -> list[Handle]:
+        """Every waiting prompt, taken out of the queue."""
+        with self._lock:
+            handles = [item.handle for item in self._waiting]
+            self._waiting.clear()
+        return handles
+
     @property
     def has_work(self) -> bool:
         return bool(self._waiting)
@@ -225,6 +232,13 @@ class ChunkedPrefill:
         self.chunks.drop(handle)
         handle.table.release()
         handle.sink(Emission((), "", error=message))
+
+    def fail_all(self, message: str) -> None:
+        """The engine loop failed: every prompt still waiting or part-way ends with `message`,
+        and the running decodes too."""
+        for handle in self.chunks.drain():
+            self.failed(handle, message)
+        self.decode.fail_all(message)
 
     def abort(self, handle: Handle) -> bool:
         """Cancels the handle. True when the engine loop must be woken to finish the job (it is

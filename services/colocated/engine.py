@@ -96,4 +96,4 @@ class ColocatedEngine:
         self.cache.write(layer, handle.table.slots(0, handle.spec.prompt_len), k, v)
 
     def _crashed(self, message: str) -> None:
-        self.decode.fail_all(message)
+        self.chunked.fail_all(message)

@@ -1,10 +1,14 @@
-"""The decode engine: the KV pool, the paged cache and the continuous-batching loop over them."""
+"""The decode engine: the KV pool, the paged cache and the continuous-batching loop over them.
+
+Prompts the router sends here to be prefilled (conditional disaggregation) go through the same
+loop in pieces of --local-prefill-chunk-tokens, beside the running decodes."""
 
 import logging
 
 from pdserve import metrics
 
 from pdserve.core.block_pool import BlockPool
+from pdserve.core.chunked_prefill import ChunkedPrefill, Handle
 from pdserve.core.decode_scheduler import DecodeScheduler
 from pdserve.core.engine_loop import EngineLoop
 from pdserve.core.paged_cache import PagedCache
@@ -24,19 +28,29 @@ class DecodeEngine:
         self.scheduler = DecodeScheduler(
             served.built, served.tokenizer, self.cache, settings.max_batch
         )
+        self.local = ChunkedPrefill(
+            served.built, self.cache, self.scheduler, settings.local_prefill_chunk_tokens, "decode"
+        )
         self.faults = settings.common.faults
         self.steps = 0
         self.loop = EngineLoop(
-            "decode-engine", self._step, lambda: self.scheduler.has_work, self.scheduler.fail_all
+            "decode-engine",
+            self._step,
+            lambda: self.scheduler.has_work or self.local.has_work,
+            self.local.fail_all,
         )
 
     def _step(self) -> None:
-        stats = self.scheduler.step()
-        if stats is not None:
+        if self.local.has_work:
+            self.local.step()  # the running decodes, plus the next pieces of local prompts
+        else:
+            stats = self.scheduler.step()
+            if stats is None:
+                return
             metrics.DECODE_BATCH.labels("decode").observe(stats.batch_size)
             metrics.STEP_SECONDS.labels("decode", "decode").observe(stats.seconds)
-            self.steps += 1
-            self.faults.after_decode_step(self.steps)
+        self.steps += 1
+        self.faults.after_decode_step(self.steps)
 
     def start(self) -> None:
         self.loop.start()
@@ -49,6 +63,16 @@ class DecodeEngine:
         seq = self.scheduler.start(lease.spec, lease.table, lease.sink, first_token)
         self.loop.wake()
         return seq
+
+    def prefill_here(self, handle: Handle) -> None:
+        """Queues a prompt whose blocks `handle` holds; its sequence starts at its first token."""
+        self.local.add(handle)
+        self.loop.wake()
+
+    def abort_local(self, handle: Handle) -> None:
+        """However far the handle got (waiting, prefilling, decoding), its blocks go back."""
+        if self.local.abort(handle):
+            self.loop.wake()
 
     def abort(self, seq: Sequence) -> None:
         if not seq.done:

@@ -6,11 +6,14 @@ All lease bookkeeping happens on the event loop thread; the engine thread only d
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
 from pdserve import metrics
-from pdserve.core.request import validate
+from pdserve.core.chunked_prefill import Handle
+from pdserve.core.request import GenerateSpec, validate
+from pdserve.core.sequence import Sequence
 from pdserve.kv.grpc_transport import push_kv_handler
 from pdserve.kv.leases import Lease, LeaseLimits, LeaseState, LeaseTable
 from pdserve.kv.receiver import KvReceiver
@@ -62,6 +65,10 @@ class DecodeServicer:
             ),
             self.config,
         )
+        if request.prefill_here:
+            async for response in self._prefill_here(spec):
+                yield response
+            return
         events, sink = emission_queue()
         ttl = self.settings.lease_ttl_seconds
         if 0 < request.lease_ttl_seconds < ttl:  # a caller may shorten the lease, not lengthen it
@@ -86,35 +93,33 @@ class DecodeServicer:
                     data_endpoints=self.data_endpoints,
                 )
             )
-            async for event in self._events(lease, events, context):
+            async for event in self._events(lease, events):
                 yield event
         finally:
             self._end(lease)
 
-    async def _events(self, lease: Lease, events: asyncio.Queue, context):
-        while True:
-            emission = await events.get()
-            if emission.error is not None:
-                raise ServiceError(grpc.StatusCode.ABORTED, emission.error)
-            tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
-            if emission.finish_reason is None:
-                yield pb.DecodeResponse(tokens=tokens)
-            else:
-                seq = lease.sequence
-                metrics.REQUESTS.labels("decode", "ok", "OK").inc()
-                yield pb.DecodeResponse(
-                    finished=pb.DecodeFinished(
-                        last=tokens,
-                        finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
-                        usage=pb.Usage(
-                            prompt_tokens=lease.spec.prompt_len,
-                            completion_tokens=seq.generated if seq else 0,
-                        ),
-                        handoff_receive_seconds=lease.handoff_seconds,
-                        handoff_bytes=lease.assembly.bytes,
-                    )
-                )
-                return
+    async def _prefill_here(self, spec: GenerateSpec):
+        """The prompt is prefilled in this instance's own loop: room is reserved at once (the
+        router's reservation line handles PoolExhausted as for a lease), the answer says so
+        with a LeaseGranted that has no lease id, and the tokens follow."""
+        events, sink = emission_queue()
+        handle = Handle(spec, self.engine.pool.reserve(spec.max_total_tokens), sink)
+        try:
+            yield pb.DecodeResponse(
+                lease=pb.LeaseGranted(blocks=handle.table.capacity_blocks, instance=self.instance)
+            )
+            self.engine.prefill_here(handle)
+            async for event in _events(events, lambda: handle.sequence, spec.prompt_len):
+                yield event
+        finally:
+            self.engine.abort_local(handle)
+
+    async def _events(self, lease: Lease, events: asyncio.Queue):
+        def handoff() -> tuple[float, int]:
+            return lease.handoff_seconds, lease.assembly.bytes
+
+        async for event in _events(events, lambda: lease.sequence, lease.spec.prompt_len, handoff):
+            yield event
 
     def _end(self, lease: Lease) -> None:
         """However the token stream ends, the lease's blocks go back."""
@@ -165,6 +170,39 @@ class DecodeServicer:
             expired = self.leases.expire()
             if expired:
                 log.warning("%d lease(s) expired uncommitted; their blocks are free again", expired)
+
+
+async def _events(
+    events: asyncio.Queue,
+    sequence: Callable[[], Sequence | None],
+    prompt_len: int,
+    handoff: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
+):
+    """A request's DecodeResponses from its emissions, ending with DecodeFinished. `handoff`
+    gives (receive seconds, bytes) of the KV that came in; (0, 0) when decode prefilled it."""
+    while True:
+        emission = await events.get()
+        if emission.error is not None:
+            raise ServiceError(grpc.StatusCode.ABORTED, emission.error)
+        tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
+        if emission.finish_reason is None:
+            yield pb.DecodeResponse(tokens=tokens)
+            continue
+        seq = sequence()
+        seconds, received = handoff()
+        metrics.REQUESTS.labels("decode", "ok", "OK").inc()
+        yield pb.DecodeResponse(
+            finished=pb.DecodeFinished(
+                last=tokens,
+                finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
+                usage=pb.Usage(
+                    prompt_tokens=prompt_len, completion_tokens=seq.generated if seq else 0
+                ),
+                handoff_receive_seconds=seconds,
+                handoff_bytes=received,
+            )
+        )
+        return
 
 
 async def serve(served: ServedModel, settings: DecodeSettings) -> None:

@@ -62,13 +62,16 @@ class ReservationLine:
         self.queued = 0  # requests waiting in line for decode room
         self._head_of_line = asyncio.Lock()  # FIFO: the waiting request allowed to poll
 
-    async def reserve(self, inflight: Inflight, avoid: set[str]) -> Reservation:
-        """A lease from the first decode instance with room. While none has room, requests wait
+    async def reserve(
+        self, inflight: Inflight, avoid: set[str], prefill_here: bool = False
+    ) -> Reservation:
+        """A lease from the first decode instance with room (with `prefill_here`, room for the
+        decode instance to prefill the prompt itself, and a LeaseGranted with no lease id). While none has room, requests wait
         in line, first come first served, bounded in number and time; only the head of the
         line polls decode, so a full pool is not hammered by every waiting request. When no
         decode instance can be reached at all there is nothing to wait for: UNAVAILABLE."""
         if self.queued == 0:
-            reservation = await self._try_all(inflight, avoid)
+            reservation = await self._try_all(inflight, avoid, prefill_here)
             if reservation is not None:
                 return reservation
         if self.queued >= self._settings.max_queue:
@@ -86,18 +89,18 @@ class ReservationLine:
             except asyncio.TimeoutError:
                 raise self._no_room(inflight, give_up) from None
             try:
-                return await self._poll_until_room(inflight, avoid, give_up)
+                return await self._poll_until_room(inflight, avoid, give_up, prefill_here)
             finally:
                 self._head_of_line.release()
         finally:
             self.queued -= 1
 
     async def _poll_until_room(
-        self, inflight: Inflight, avoid: set[str], give_up: float
+        self, inflight: Inflight, avoid: set[str], give_up: float, prefill_here: bool
     ) -> Reservation:
         backoff = FIRST_BACKOFF_SECONDS
         while True:
-            reservation = await self._try_all(inflight, avoid)
+            reservation = await self._try_all(inflight, avoid, prefill_here)
             if reservation is not None:
                 return reservation
             if time.monotonic() + backoff > give_up:
@@ -105,14 +108,16 @@ class ReservationLine:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
-    async def _try_all(self, inflight: Inflight, avoid: set[str]) -> Reservation | None:
+    async def _try_all(
+        self, inflight: Inflight, avoid: set[str], prefill_here: bool
+    ) -> Reservation | None:
         """A reservation, or None while every instance reached is full. UNAVAILABLE when none
         could be reached: waiting in line for room would then only delay the failure."""
         instances = self._decodes.ordered(avoid)
         unreachable = 0
         for decode in instances:
             try:
-                reservation = await self._try_reserve(decode, inflight)
+                reservation = await self._try_reserve(decode, inflight, prefill_here)
             except _Unreachable:
                 unreachable += 1
                 continue
@@ -137,7 +142,7 @@ class ReservationLine:
         )
 
     async def _try_reserve(
-        self, decode: Instance[pb_grpc.DecodeServiceStub], inflight: Inflight
+        self, decode: Instance[pb_grpc.DecodeServiceStub], inflight: Inflight, prefill_here: bool
     ) -> Reservation | None:
         spec = inflight.spec
         call = decode.stub.Decode(
@@ -146,6 +151,7 @@ class ReservationLine:
                 prompt_token_ids=spec.prompt_token_ids,
                 sampling=convert.sampling_to_pb(spec.sampling),
                 model_fingerprint=self._decodes.model_fingerprint,
+                prefill_here=prefill_here,
             ),
             timeout=inflight.remaining(),
         )

@@ -31,6 +31,7 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router import http_api
 from pdserve.services.router.backends import BackendSet, Instance
 from pdserve.services.router.clients import ApiKeys, ClientLimits, grpc_peer_host
+from pdserve.services.router.local_prefill import LocalPrefill
 from pdserve.services.router.errors import (
     RETRYABLE,
     HandoffFailed,
@@ -72,6 +73,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
         self.api_keys = ApiKeys(settings.api_key)
+        self.local_prefill = LocalPrefill(settings.local_prefill_tokens)
         self.clients = ClientLimits(
             settings.max_streams_per_client, settings.max_tokens_per_second_per_client
         )
@@ -231,8 +233,49 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
     async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
         spec = inflight.spec
-        prefill = self._pick_prefill(avoid)  # first: a reservation must never be left behind
-        reservation = await self.line.reserve(inflight, avoid)
+        here = self.local_prefill.here(spec.prompt_len)
+        if here:  # conditional disaggregation: decode prefills the prompt, no handoff
+            prefill = None
+            reservation = await self.line.reserve(inflight, avoid, prefill_here=True)
+            prefill_call: asyncio.Future = asyncio.get_running_loop().create_future()
+            prefill_call.set_result(pb.PrefillResponse())
+        else:
+            prefill = self._pick_prefill(avoid)  # first: a reservation must not be left behind
+            reservation = await self.line.reserve(inflight, avoid)
+            prefill_call = self._start_prefill(inflight, prefill, reservation)
+        try:
+            async for event in self._relay(reservation, prefill_call, prefill):
+                if isinstance(event, pb.TokenEvent):
+                    yield pb.GenerateResponse(
+                        request_id=spec.request_id, token_ids=event.token_ids, text=event.text
+                    )
+                else:
+                    finished, reply, first_token_at = event
+                    if not here:
+                        ttft = first_token_at - inflight.received
+                        self.local_prefill.observe(spec.prompt_len, reply, ttft)
+                    yield self._final(
+                        spec,
+                        finished,
+                        reply,
+                        reservation,
+                        inflight.received,
+                        first_token_at,
+                        attempt,
+                        "decode" if here else "prefill",
+                    )
+        finally:
+            reservation.call.cancel()
+            prefill_call.cancel()
+
+    def _start_prefill(
+        self,
+        inflight: Inflight,
+        prefill: Instance[pb_grpc.PrefillServiceStub],
+        reservation: Reservation,
+    ) -> asyncio.Future:
+        """The Prefill call that sends the prompt's KV to the reserved decode instance."""
+        spec = inflight.spec
         # Load for --routing-policy least-loaded: this prompt is in flight at that prefill.
         prefill.queued_tokens += spec.prompt_len
         prefill_call = asyncio.ensure_future(
@@ -249,8 +292,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 timeout=inflight.remaining(),
             )
         )
-        # A prefill that fails before the commit ends the token stream too, so the relay below
-        # never waits forever; after the commit, decode owns the sequence and carries on.
+        # A prefill that fails before the commit ends the token stream too, so the relay never
+        # waits forever; after the commit, decode owns the sequence and carries on.
         prefill_call.add_done_callback(
             lambda call: _failed(call) and not reservation.streaming and reservation.call.cancel()
         )
@@ -259,26 +302,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             prefill.queued_tokens -= spec.prompt_len
 
         prefill_call.add_done_callback(prompt_answered)
-        try:
-            async for event in self._relay(reservation, prefill_call, prefill):
-                if isinstance(event, pb.TokenEvent):
-                    yield pb.GenerateResponse(
-                        request_id=spec.request_id, token_ids=event.token_ids, text=event.text
-                    )
-                else:
-                    finished, reply, first_token_at = event
-                    yield self._final(
-                        spec,
-                        finished,
-                        reply,
-                        reservation,
-                        inflight.received,
-                        first_token_at,
-                        attempt,
-                    )
-        finally:
-            reservation.call.cancel()
-            prefill_call.cancel()
+        return prefill_call
 
     def _pick_prefill(self, avoid: set[str]) -> Instance[pb_grpc.PrefillServiceStub]:
         ordered = self.prefills.ordered(avoid)
@@ -290,7 +314,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self,
         reservation: Reservation,
         prefill_call: asyncio.Future,
-        prefill: Instance[pb_grpc.PrefillServiceStub],
+        prefill: Instance[pb_grpc.PrefillServiceStub] | None,
     ):
         """Token events, then (finished, prefill reply, first token time) once decode is done."""
         first_token_at = None
@@ -327,14 +351,14 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         details: str,
         reservation: Reservation,
         prefill_call: asyncio.Future,
-        prefill: Instance[pb_grpc.PrefillServiceStub],
+        prefill: Instance[pb_grpc.PrefillServiceStub] | None,
     ) -> RouterError:
         """The most telling error: prefill's when it failed (decode was cancelled for it)."""
         decode = reservation.decode
         where = f"decode {decode.address}"
         culprit: Instance[pb_grpc.PrefillServiceStub] | Instance[pb_grpc.DecodeServiceStub] = decode
         err = prefill_call.exception() if _failed(prefill_call) else None
-        if isinstance(err, grpc.aio.AioRpcError):
+        if isinstance(err, grpc.aio.AioRpcError) and prefill is not None:
             code, details, where = err.code(), err.details(), f"prefill {prefill.address}"
             # ABORTED: prefill is fine, its push to decode failed; anything else is prefill's own.
             culprit = decode if code == grpc.StatusCode.ABORTED else prefill
@@ -356,8 +380,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         received: float,
         first_token_at: float,
         attempt: int,
+        prefill_path: str,
     ) -> pb.GenerateResponse:
         now = time.perf_counter()
+        metrics.PREFILL_PATH.labels("router", prefill_path).inc()
         metrics.record_request(
             "router",
             "OK",
@@ -382,6 +408,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 prefill_instance=reply.instance,
                 decode_instance=reservation.lease.instance,
                 attempts=attempt,
+                prefill_path=prefill_path,
             ),
         )
 
