@@ -158,6 +158,29 @@ LOCAL_PREFILL_THRESHOLD = Gauge(
     "Prompts of at most this many tokens are prefilled on decode (--local-prefill-tokens)",
     ["service"],
 )
+PREFIX_LOOKUP_TOKENS = Counter(
+    "pdserve_prefix_cache_lookup_tokens_total",
+    "Prompt tokens of the requests that looked in the prefix cache",
+    ["service"],
+)
+PREFIX_HIT_TOKENS = Counter(
+    "pdserve_prefix_cache_hit_tokens_total",
+    "Prompt tokens whose KV came from the prefix cache: neither computed nor handed off",
+    ["service"],
+)
+PREFIX_SAVED_BYTES = Counter(
+    "pdserve_prefix_cache_saved_handoff_bytes_total",
+    "KV bytes of the prefix-cache hits: what a handoff of those tokens would have moved",
+    ["service"],
+)
+
+
+def record_prefix_lookup(service: str, prompt_tokens: int, hit_tokens: int, config) -> None:
+    PREFIX_LOOKUP_TOKENS.labels(service).inc(prompt_tokens)
+    PREFIX_HIT_TOKENS.labels(service).inc(hit_tokens)
+    PREFIX_SAVED_BYTES.labels(service).inc(hit_tokens * config.kv_bytes_per_token)
+
+
 HTTP_REQUESTS = Counter(
     "pdserve_http_requests_total",
     "Requests to the router's HTTP API, by endpoint (its route; 'other' for unknown paths) and "

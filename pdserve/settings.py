@@ -107,7 +107,7 @@ class CommonSettings:
 
 
 KV_TRANSPORTS = ("auto", "tcp", "grpc")
-ROUTING_POLICIES = ("round-robin", "least-loaded")  # services/router/policy.py
+ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix-aware")  # services/router/policy.py
 KV_COMPRESSIONS = ("none", "int8")
 
 
@@ -133,6 +133,12 @@ class DecodeSettings:
         0,
         "port of the TCP data plane that receives KV, offered with every lease; 0: any free "
         "port, -1: no data plane (KV over DecodeService.PushKv only)",
+    )
+    prefix_cache: bool = setting(
+        True,
+        "decode service: keep the full KV blocks of finished prompts, found again by a hash "
+        "chain over their tokens, and evicted least recently used first when the pool needs "
+        "room; a prompt it prefills itself starts after its longest cached prefix",
     )
     local_prefill_chunk_tokens: int = setting(
         256,
@@ -244,9 +250,12 @@ class RouterSettings:
     )
     routing_policy: str = setting(
         "round-robin",
-        "the order in which instances are tried: round-robin, or least-loaded (decode: most "
+        "the order in which instances are tried: round-robin; least-loaded (decode: most "
         "free KV blocks, then fewest running sequences, from GetPoolStats every second; "
-        "prefill: fewest prompt tokens this router has in flight there)",
+        "prefill: fewest prompt tokens this router has in flight there); or prefix-aware "
+        "(decode: the instance believed to hold the longest cached prefix of the prompt "
+        "first, then least-loaded; with --local-prefill-tokens, only the uncached part "
+        "counts against it)",
     )
     max_attempts: int = setting(
         3,

@@ -390,3 +390,33 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
             return decode_stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
 
         wait_until(lambda: stats().free_blocks == stats().total_blocks, 10, "decode's blocks")
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "prefix-aware"])
+def test_one_of_two_decodes_killed_under_load_nothing_lost(services, policy):
+    """40 requests sharing a system prompt, 8 at a time, over two small decode pools with the
+    prefix cache, short remainders prefilled on decode. Decode 0 is killed once 10 are done.
+    Every request still gets all its tokens (retried or migrated); nothing hangs; the survivor's
+    pool is whole, and its cached blocks are evicted when a request needs the room."""
+    decodes = [services("decode", "--num-blocks", "60") for _ in range(2)]
+    prefill = services("prefill")
+    flags = ("--routing-policy", policy, "--local-prefill-tokens", "64")
+    stack = services.stack(services.router([prefill], decodes, *flags), [prefill], decodes)
+    system = [(i * 11) % 250 + 1 for i in range(100)]
+
+    def one(i: int) -> int:
+        prompt = system + [i % 200 + 1] * (5 + i % 30)
+        tokens, _, last = generate(stack.router_stub(), greedy_request(prompt, 24), 90)
+        return len(tokens) if last.usage.completion_tokens == len(tokens) else -1
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(40)]
+        wait_until(lambda: sum(f.done() for f in futures) >= 10, 90, "10 requests to finish")
+        decodes[0].stop(signal.SIGKILL)
+        assert [f.result(timeout=120) for f in futures] == [24] * 40
+    settled(stack)
+    assert stack.pool_stats(1).cached_blocks > 0
+    whole_pool = greedy_request([5] * 10, 60 * 16 - 10)  # every block: the cache must give way
+    tokens, _, _ = generate(stack.router_stub(), whole_pool, 120)
+    assert len(tokens) == 60 * 16 - 10
+    settled(stack)

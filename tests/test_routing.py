@@ -24,18 +24,18 @@ class Fake:
 def test_round_robin_rotates_and_puts_avoided_last():
     a, b, c = Fake("a"), Fake("b"), Fake("c")
     policy = RoundRobin()
-    firsts = [policy.order([a, b, c], ())[0].address for _ in range(3)]
+    firsts = [policy.order([a, b, c], None, ())[0].address for _ in range(3)]
     assert firsts == ["a", "b", "c"]
-    assert [i.address for i in policy.order([a, b, c], {"a"})][-1] == "a"
+    assert [i.address for i in policy.order([a, b, c], None, {"a"})][-1] == "a"
 
 
 def test_least_loaded_orders_decode_by_free_blocks_then_running_and_prefill_by_tokens():
     full, roomy, busy = Fake("full", 10, 0), Fake("roomy", 500, 3), Fake("busy", 500, 9)
-    order = LeastLoaded("decode").order([full, busy, roomy], ())
+    order = LeastLoaded("decode").order([full, busy, roomy], None, ())
     assert [i.address for i in order] == ["roomy", "busy", "full"]
-    assert LeastLoaded("decode").order([full, roomy], {"roomy"})[0].address == "full"
+    assert LeastLoaded("decode").order([full, roomy], None, {"roomy"})[0].address == "full"
     idle, queued = Fake("idle", queued_tokens=0), Fake("queued", queued_tokens=900)
-    assert LeastLoaded("prefill").order([queued, idle], ())[0].address == "idle"
+    assert LeastLoaded("prefill").order([queued, idle], None, ())[0].address == "idle"
 
 
 def test_least_loaded_sends_work_to_the_decode_with_room(tmp_path):

@@ -4,9 +4,18 @@ Plain Python (no torch) so it can be tested alone. A reservation promises room f
 tokens; physical blocks are taken from the free list as the sequence grows into that room, and
 all of them come back when the reservation is released. Thread-safe: the gRPC threads reserve and
 release while the engine thread grows sequences.
+
+With a prefix cache (pdserve/core/prefix_cache.py), a released table's full prompt blocks stay
+cached instead of going back, once their KV is known to be written (`prompt_written`); a
+reservation may start with the cached blocks of its prompt's longest cached prefix (`reuse`),
+shared read-only; and idle cached blocks are evicted, oldest first, when a reservation needs
+room. They count as available all along.
 """
 
 import threading
+from collections.abc import Sequence
+
+from pdserve.core.prefix_cache import PrefixCache, block_keys
 
 
 class PoolExhausted(Exception):
@@ -18,7 +27,7 @@ class NeverFits(PoolExhausted):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -26,51 +35,102 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._promised = 0  # blocks reserved but not yet taken from the free list
         self._lock = threading.Lock()
+        self.cache = PrefixCache() if prefix_cache else None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     @property
     def available_blocks(self) -> int:
-        """Blocks that a new reservation could still get."""
+        """Blocks that a new reservation could still get (idle cached ones included)."""
         with self._lock:
-            return len(self._free) - self._promised
+            return self._room()
 
-    def reserve(self, tokens: int) -> "BlockTable":
-        """A table with room for `tokens` tokens, or PoolExhausted."""
+    @property
+    def cached_blocks(self) -> int:
+        with self._lock:
+            return self.cache.blocks if self.cache else 0
+
+    def _room(self) -> int:
+        return len(self._free) - self._promised + (self.cache.idle_blocks if self.cache else 0)
+
+    def reserve(self, tokens: int, prompt: Sequence[int] = (), reuse: bool = False) -> "BlockTable":
+        """A table with room for `tokens` tokens, or PoolExhausted. With a prefix cache,
+        `prompt` names the blocks the table may leave cached when released, and `reuse` starts
+        the table with the cached blocks of the prompt's longest cached prefix (never its last
+        token, whose logits give the first output token): `cached_tokens` says how many."""
         need = self.blocks_for(tokens)
         if need > self.num_blocks:
             raise NeverFits(
                 f"request larger than the KV pool: it needs {need} blocks ({tokens} tokens); "
                 f"the whole pool has {self.num_blocks}"
             )
+        keys = block_keys(prompt, self.block_size) if self.cache is not None else []
         with self._lock:
-            if need > len(self._free) - self._promised:
+            shared = self._shared_prefix(keys, len(prompt)) if reuse else []
+            new = need - len(shared)
+            if new > self._room():
+                if shared and self.cache is not None:
+                    self.cache.give_back(shared)
                 raise PoolExhausted(
-                    f"KV pool full: need {need} blocks, {len(self._free) - self._promised} of "
-                    f"{self.num_blocks} free"
+                    f"KV pool full: need {new} blocks, {self._room()} of {self.num_blocks} free"
                 )
-            self._promised += need
-        return BlockTable(self, need)
+            short = new - (len(self._free) - self._promised)
+            if short > 0 and self.cache is not None:
+                self._free.extend(self.cache.evict(short))
+            self._promised += new
+        return BlockTable(self, need, shared, keys)
+
+    def _shared_prefix(self, keys: list[bytes], prompt_len: int) -> list[int]:
+        if self.cache is None or prompt_len == 0:
+            return []
+        return self.cache.take(keys[: (prompt_len - 1) // self.block_size])
 
     def _take(self) -> int:
         with self._lock:
             self._promised -= 1
             return self._free.pop()
 
-    def _give_back(self, blocks: list[int], unused_promise: int) -> None:
+    def _give_back(
+        self, blocks: list[int], unused_promise: int, shared: int, keys: list[bytes]
+    ) -> None:
+        """Shared blocks go back to the cache; owned full prompt blocks whose KV is written
+        (`keys` names them) become cached; the rest are free again."""
         with self._lock:
-            self._free.extend(reversed(blocks))
+            freed = blocks[shared:]
+            if self.cache is not None:
+                self.cache.give_back(blocks[:shared])
+                owned = list(enumerate(freed, start=shared))
+                # Last first, so that parents are the newest idle blocks (prefix_cache.py).
+                kept = {
+                    b for i, b in reversed(owned) if i < len(keys) and self.cache.add(keys[i], b)
+                }
+                freed = [b for b in freed if b not in kept]
+            self._free.extend(reversed(freed))
             self._promised -= unused_promise
 
 
 class BlockTable:
-    """The blocks of one sequence, in token order, within a reservation of `capacity_blocks`."""
+    """The blocks of one sequence, in token order, within a reservation of `capacity_blocks`.
 
-    def __init__(self, pool: BlockPool, capacity_blocks: int) -> None:
+    The first `shared` blocks come from the prefix cache, already holding the prompt's first
+    `cached_tokens` tokens of KV; they are read, never written. Set `prompt_written` once the
+    whole prompt's KV is in, so that release may leave its full blocks cached."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        capacity_blocks: int,
+        shared: list[int] | None = None,
+        keys: list[bytes] | None = None,
+    ) -> None:
         self._pool = pool
         self.capacity_blocks = capacity_blocks
-        self.blocks: list[int] = []
+        self.blocks: list[int] = list(shared or [])
+        self.shared = len(self.blocks)
+        self.cached_tokens = self.shared * pool.block_size
+        self._keys = keys or []
+        self.prompt_written = False
         self.released = False
 
     @property
@@ -97,5 +157,7 @@ class BlockTable:
         if self.released:
             return
         self.released = True
-        self._pool._give_back(self.blocks, self.capacity_blocks - len(self.blocks))
+        keys = self._keys if self.prompt_written else []
+        unused = self.capacity_blocks - len(self.blocks)
+        self._pool._give_back(self.blocks, unused, self.shared, keys)
         self.blocks = []

@@ -72,8 +72,9 @@ class ChunkQueue:
         self._lock = threading.Lock()
 
     def add(self, handle: Handle) -> None:
+        """Queues the prompt from its first position not already cached in its table."""
         with self._lock:
-            self._waiting.append(_Waiting(handle))
+            self._waiting.append(_Waiting(handle, done=handle.table.cached_tokens))
 
     def remove(self, handle: Handle) -> bool:
         """True when the prompt was waiting with no chunk taken (the caller frees its blocks)."""
@@ -226,6 +227,7 @@ class ChunkedPrefill:
             if handle.cancelled:
                 handle.table.release()
                 return
+            handle.table.prompt_written = True
             handle.sequence = self.decode.start(handle.spec, handle.table, handle.sink, token)
 
     def failed(self, handle: Handle, message: str) -> None:

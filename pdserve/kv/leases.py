@@ -94,7 +94,8 @@ class LeaseTable:
                 f"one needs {wanted}, over the pending share of {limits.pending_share:g} "
                 f"(--max-pending-lease-share)"
             )
-        table = self.pool.reserve(spec.max_total_tokens)
+        # The prompt names the blocks that may stay cached once the KV is in (prefix cache).
+        table = self.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids)
         now = time.monotonic()
         lease = Lease(
             secrets.token_hex(16),

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class DecodeEngine:
     def __init__(self, served: ServedModel, settings: DecodeSettings) -> None:
         self.config = served.config
-        self.pool = BlockPool(settings.num_blocks, settings.block_size)
+        self.pool = BlockPool(settings.num_blocks, settings.block_size, settings.prefix_cache)
         self.cache = PagedCache(self.config, settings.num_blocks, settings.block_size)
         self.scheduler = DecodeScheduler(
             served.built, served.tokenizer, self.cache, settings.max_batch

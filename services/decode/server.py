@@ -103,10 +103,16 @@ class DecodeServicer:
         router's reservation line handles PoolExhausted as for a lease), the answer says so
         with a LeaseGranted that has no lease id, and the tokens follow."""
         events, sink = emission_queue()
-        handle = Handle(spec, self.engine.pool.reserve(spec.max_total_tokens), sink)
+        table = self.engine.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids, reuse=True)
+        metrics.record_prefix_lookup("decode", spec.prompt_len, table.cached_tokens, self.config)
+        handle = Handle(spec, table, sink)
         try:
             yield pb.DecodeResponse(
-                lease=pb.LeaseGranted(blocks=handle.table.capacity_blocks, instance=self.instance)
+                lease=pb.LeaseGranted(
+                    blocks=table.capacity_blocks,
+                    instance=self.instance,
+                    cached_tokens=table.cached_tokens,
+                )
             )
             self.engine.prefill_here(handle)
             async for event in _events(events, lambda: handle.sequence, spec.prompt_len):
@@ -131,6 +137,7 @@ class DecodeServicer:
 
     def _committed(self, lease: Lease, first_token: int) -> None:
         """The receiver accepted the lease's commit: the sequence starts decoding."""
+        lease.table.prompt_written = True
         lease.sequence = self.engine.start_sequence(lease, first_token)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -162,6 +169,7 @@ class DecodeServicer:
             running=self.engine.scheduler.size,
             pending_leases=self.leases.pending,
             instance=self.instance,
+            cached_blocks=self.engine.pool.cached_blocks,
         )
 
     async def expire_leases_forever(self) -> None:

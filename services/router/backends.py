@@ -20,7 +20,7 @@ from pdserve.rpc.server import channel_to
 from pdserve.rpc.tls import Tls
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from pdserve.services.router.policy import RoundRobin, RoutingPolicy
+from pdserve.services.router.policy import RoundRobin, Routed, RoutingPolicy
 from pdserve.services.router.errors import RouterError
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Instance(Generic[StubT]):
     free_blocks: int = 0
     running: int = 0
     queued_tokens: int = 0
+    block_size: int = 0  # decode's KV block size, as last reported
 
 
 class BackendSet(Generic[StubT]):
@@ -64,7 +65,9 @@ class BackendSet(Generic[StubT]):
         self.instances: dict[str, Instance[StubT]] = {}
         self._policy = policy or RoundRobin()
 
-    def ordered(self, avoid: AbstractSet[str] = frozenset()) -> list[Instance[StubT]]:
+    def ordered(
+        self, avoid: AbstractSet[str] = frozenset(), request: Routed | None = None
+    ) -> list[Instance[StubT]]:
         """Healthy instances, rotated so that load spreads round-robin; those in `avoid` (which
         just failed this request) last. Unhealthy ones only when no instance is healthy. Raises
         RouterError when every instance serves another model."""
@@ -76,7 +79,7 @@ class BackendSet(Generic[StubT]):
                 f"no {self.role} instance serves this router's model: {mismatch}",
             )
         pool = [i for i in same_model if i.healthy] or same_model
-        return self._policy.order(pool, avoid)
+        return self._policy.order(pool, request, avoid)
 
     @property
     def any_healthy(self) -> bool:
@@ -129,6 +132,7 @@ class BackendSet(Generic[StubT]):
         except grpc.aio.AioRpcError:
             return
         instance.free_blocks, instance.running = stats.free_blocks, stats.running
+        instance.block_size = stats.block_size
 
     async def _check_model(self, instance: Instance[StubT]) -> None:
         """Asks once which model the instance serves; a different one is never used."""

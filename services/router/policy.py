@@ -3,13 +3,16 @@
 The instance set (backends.py) does discovery and health; a policy only orders the usable
 instances it is given, from the load figures the set keeps on each: for decode, its pool's free
 blocks and running sequences (from a GetPoolStats every refresh); for prefill, the prompt tokens
-this router has sent it and not yet seen answered. Instances in `avoid` (which just failed this
-request) always go last. Chosen with --routing-policy.
+this router has sent it and not yet seen answered; for prefix-aware, which decode instance is
+believed to hold the longest prefix of this prompt (prefix_index.py). Instances in `avoid` (which
+just failed this request) always go last. Chosen with --routing-policy.
 """
 
 import itertools
 from collections.abc import Collection
 from typing import Protocol
+
+from pdserve.services.router.prefix_index import PrefixIndex
 
 
 class Loaded(Protocol):
@@ -19,8 +22,14 @@ class Loaded(Protocol):
     queued_tokens: int  # prefill: prompt tokens sent by this router, not yet answered
 
 
+class Routed(Protocol):
+    """What a policy may know of the request it orders instances for."""
+
+    prefix_keys: list[bytes]  # the prompt's full-block keys (prefix_index.py); [] when unused
+
+
 class RoutingPolicy(Protocol):
-    def order(self, instances: list, avoid: Collection[str]) -> list: ...
+    def order(self, instances: list, request: Routed | None, avoid: Collection[str]) -> list: ...
 
 
 class RoundRobin:
@@ -29,7 +38,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def order(self, instances: list, avoid: Collection[str]) -> list:
+    def order(self, instances: list, request: Routed | None, avoid: Collection[str]) -> list:
         if not instances:
             return []
         start = next(self._turn) % len(instances)
@@ -43,8 +52,8 @@ class LeastLoaded:
     def __init__(self, role: str) -> None:
         self._role, self._rotation = role, RoundRobin()
 
-    def order(self, instances: list, avoid: Collection[str]) -> list:
-        rotated = self._rotation.order(instances, ())
+    def order(self, instances: list, request: Routed | None, avoid: Collection[str]) -> list:
+        rotated = self._rotation.order(instances, request, ())
         return _avoided_last(sorted(rotated, key=self._load), avoid)  # sorted() is stable
 
     def _load(self, instance: Loaded) -> tuple[int, ...]:
@@ -53,9 +62,27 @@ class LeastLoaded:
         return (instance.queued_tokens,)
 
 
-def make_policy(name: str, role: str) -> RoutingPolicy:
+class PrefixAware:
+    """Decode: the instance believed to hold the longest prefix of the prompt first, then by
+    least-loaded's order; so requests sharing a system prompt meet their cached KV. Prefill:
+    least-loaded."""
+
+    def __init__(self, role: str, index: PrefixIndex) -> None:
+        self._role, self._index, self._fallback = role, index, LeastLoaded(role)
+
+    def order(self, instances: list, request: Routed | None, avoid: Collection[str]) -> list:
+        ordered = self._fallback.order(instances, request, ())
+        if self._role == "decode" and request is not None and request.prefix_keys:
+            keys = request.prefix_keys
+            ordered.sort(key=lambda i: -self._index.cached_tokens(keys, i.address))
+        return _avoided_last(ordered, avoid)
+
+
+def make_policy(name: str, role: str, index: PrefixIndex) -> RoutingPolicy:
     if name == "least-loaded":
         return LeastLoaded(role)
+    if name == "prefix-aware":
+        return PrefixAware(role, index)
     return RoundRobin()
 
 

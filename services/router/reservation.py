@@ -8,7 +8,7 @@ overtaken by a later one.
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -38,6 +38,7 @@ class Inflight:
     spec: GenerateSpec
     received: float  # time.perf_counter()
     deadline: float  # time.monotonic(): the client's, capped by --request-timeout-seconds
+    prefix_keys: list[bytes] = field(default_factory=list)  # for --routing-policy prefix-aware
 
     def remaining(self) -> float:
         """The timeout for an outbound call: every call ends by the request's deadline."""
@@ -113,7 +114,7 @@ class ReservationLine:
     ) -> Reservation | None:
         """A reservation, or None while every instance reached is full. UNAVAILABLE when none
         could be reached: waiting in line for room would then only delay the failure."""
-        instances = self._decodes.ordered(avoid)
+        instances = self._decodes.ordered(avoid, inflight)
         unreachable = 0
         for decode in instances:
             try:

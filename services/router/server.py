@@ -32,6 +32,7 @@ from pdserve.services.router import http_api
 from pdserve.services.router.backends import BackendSet, Instance
 from pdserve.services.router.clients import ApiKeys, ClientLimits, grpc_peer_host
 from pdserve.services.router.local_prefill import LocalPrefill
+from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.services.router.errors import (
     RETRYABLE,
     HandoffFailed,
@@ -52,6 +53,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.served, self.config, self.settings = served, served.config, settings
         common = settings.common
         tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
+        # Decode's block size is what the keys are cut by; corrected at the first pool report.
+        self.prefix_index = PrefixIndex(block_size=16)
         self.prefills = BackendSet(
             "prefill",
             settings.prefill,
@@ -59,7 +62,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             served.fingerprint,
             served.identity,
             tls,
-            make_policy(settings.routing_policy, "prefill"),
+            make_policy(settings.routing_policy, "prefill", self.prefix_index),
         )
         self.decodes = BackendSet(
             "decode",
@@ -68,7 +71,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             served.fingerprint,
             served.identity,
             tls,
-            make_policy(settings.routing_policy, "decode"),
+            make_policy(settings.routing_policy, "decode", self.prefix_index),
         )
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
@@ -142,7 +145,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         except InvalidRequest as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         budget = min(time_remaining or float("inf"), self.settings.request_timeout_seconds)
-        return Inflight(spec, received, time.monotonic() + budget)
+        return self._routed(Inflight(spec, received, time.monotonic() + budget))
+
+    def _routed(self, inflight: Inflight) -> Inflight:
+        """With prefix-aware routing, the prompt's block keys, computed once per request."""
+        if self.settings.routing_policy == "prefix-aware":
+            inflight.prefix_keys = self.prefix_index.keys(inflight.spec.prompt_token_ids)
+        return inflight
 
     @property
     def serving(self) -> bool:
@@ -200,7 +209,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         rest = dataclasses.replace(
             spec, prompt_token_ids=spec.prompt_token_ids + tuple(sent), sampling=sampling
         )
-        return Inflight(rest, original.received, original.deadline)
+        return self._routed(Inflight(rest, original.received, original.deadline))
 
     async def _attempts(
         self, inflight: Inflight, tries: list[int], sent: list[int], avoid: set[str]
@@ -233,7 +242,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
     async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
         spec = inflight.spec
-        here = self.local_prefill.here(spec.prompt_len)
+        here = self.local_prefill.here(spec.prompt_len - self._cached_on_first(inflight, avoid))
         if here:  # conditional disaggregation: decode prefills the prompt, no handoff
             prefill = None
             reservation = await self.line.reserve(inflight, avoid, prefill_here=True)
@@ -254,6 +263,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     if not here:
                         ttft = first_token_at - inflight.received
                         self.local_prefill.observe(spec.prompt_len, reply, ttft)
+                    self.prefix_index.record(inflight.prefix_keys, reservation.decode.address)
                     yield self._final(
                         spec,
                         finished,
@@ -267,6 +277,14 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
+
+    def _cached_on_first(self, inflight: Inflight, avoid: set[str]) -> int:
+        """Prompt tokens the decode instance tried first is believed to hold: with a prefix
+        cached there, only the rest counts against --local-prefill-tokens."""
+        if not inflight.prefix_keys:
+            return 0
+        first = next(iter(self.decodes.ordered(avoid, inflight)), None)
+        return self.prefix_index.cached_tokens(inflight.prefix_keys, first.address) if first else 0
 
     def _start_prefill(
         self,
@@ -409,6 +427,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 decode_instance=reservation.lease.instance,
                 attempts=attempt,
                 prefill_path=prefill_path,
+                prefix_cached_tokens=reservation.lease.cached_tokens,
             ),
         )
 
@@ -417,6 +436,9 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         serving = None
         while True:
             await asyncio.gather(self.prefills.refresh(), self.decodes.refresh())
+            sizes = {i.block_size for i in self.decodes.instances.values() if i.block_size}
+            if sizes and self.prefix_index.block_size not in sizes:
+                self.prefix_index.set_block_size(min(sizes))
             now_serving = self.serving
             if now_serving != serving:
                 log.info(
