@@ -103,8 +103,10 @@ def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
-def start_in(ns: str, log_dir: str, role: str, port: int, *flags: str) -> subprocess.Popen:
-    log = open(os.path.join(log_dir, f"{role}.log"), "w")
+def start_in(
+    ns: str, log_dir: str, role: str, port: int, *flags: str, log_name: str = ""
+) -> subprocess.Popen:
+    log = open(os.path.join(log_dir, f"{log_name or role}.log"), "w")
     cmd = [
         "ip",
         "netns",
@@ -121,6 +123,8 @@ def start_in(ns: str, log_dir: str, role: str, port: int, *flags: str) -> subpro
         str(port),
         "--torch-threads",
         "1",
+        "--model",
+        "tinygpt",  # what conditions() reports
         # Plaintext beyond loopback, on purpose: the link joins two namespaces this script made.
         "--insecure",
         *flags,

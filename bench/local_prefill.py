@@ -83,11 +83,12 @@ def drive_in(link: Link, port: int, seed: int, args) -> list[dict]:
     out = subprocess.run(
         ["ip", "netns", "exec", link.ns_a, sys.executable, __file__, "--drive", str(port)]
         + ["--seed", str(seed), "--requests", str(args.requests), "--rate", str(args.rate)],
-        check=True,
         capture_output=True,
         text=True,
         timeout=900,
     )
+    if out.returncode:
+        raise RuntimeError(f"the load client failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout)
 
 
@@ -121,7 +122,7 @@ def measure(args) -> dict:
                 start_in(
                     link.ns_a,
                     log_dir,
-                    f"router-{name}",
+                    "router",
                     ports[name],
                     "--prefill",
                     f"127.0.0.1:{prefill_port}",
@@ -129,6 +130,9 @@ def measure(args) -> dict:
                     f"{ADDR_B}:{decode_port}",
                     "--local-prefill-tokens",
                     setting,
+                    "--http-port",
+                    "0",
+                    log_name=f"router-{name}",
                 )
             )
         for port in ports.values():

@@ -54,3 +54,34 @@ def test_handoff_at_100mbit_matches_bytes_over_rate(tmp_path):
         predicted = row["handoff_bytes"] * 8 / 100e6
         assert abs(row["handoff_s"] - predicted) / predicted < 0.25, row
         assert row["ttft_s"] >= predicted  # the slow link, not the prefill, sets the TTFT
+
+
+@pytest.mark.skipif(
+    not can_make_namespaces(),
+    reason="network namespaces cannot be created here (needs root and iproute2)",
+)
+def test_short_prompts_skip_a_congested_100mbit_link(tmp_path):
+    """The conditional-disaggregation benchmark, reduced. Concurrent long prompts share the
+    100 Mbit/s link, and every request must complete. (Before, a sender that had handed its last
+    bytes to the kernel gave decode 1 s to answer; on a shared slow link they were still queued,
+    and the handoff failed.) The router with auto derives a threshold and prefills short prompts
+    on decode; the one without never does."""
+    out = tmp_path / "local_prefill.json"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "local_prefill.py"), "--rounds", "1"]
+        + ["--requests", "12", "--rate", "4", "--json", str(out)],
+        check=True,
+        timeout=400,
+        cwd=ROOT,
+        env=dict(os.environ, PDSERVE_BENCH_LOGS=str(tmp_path)),
+    )
+    result = json.loads(out.read_text())
+    assert result["threshold_derived"] is not None and result["threshold_derived"] > 0
+    for entry in result["rounds"]:
+        rows = entry["rows"]
+        assert len(rows) == 12  # the load client fails the run if any request fails
+        on_decode = [r for r in rows if r["path"] == "decode"]
+        if entry["router"] == "off":
+            assert not on_decode
+        else:
+            assert on_decode and all(r["handoff_bytes"] == 0 for r in on_decode)

@@ -238,3 +238,27 @@ def _counters() -> dict[str, float]:
                 if line.startswith(name + "{"):
                     totals[short] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def test_prefix_aware_expects_nothing_of_a_decode_without_the_cache(stacks, tmp_path):
+    """A decode with --prefix-cache false says so in GetPoolStats: a prefix-aware router never
+    counts on it holding a prefix, so long prompts keep going through prefill."""
+    _, off = stacks
+    router = start_router(
+        off.prefills,
+        off.decodes,
+        "--routing-policy",
+        "prefix-aware",
+        "--local-prefill-tokens",
+        "64",
+        tmp_dir=str(tmp_path),
+    )
+    try:
+        stack = Stack(router, off.prefills, off.decodes)
+        paths = [
+            generate(stack.router_stub(), greedy_request(SYSTEM + [9] * (10 + i), 4))[2]
+            for i in range(4)
+        ]
+        assert [m.metrics.prefill_path for m in paths] == ["prefill"] * 4
+    finally:
+        router.stop()

@@ -37,7 +37,7 @@ MAX_FRAME_BYTES = 64 << 20
 # Room for a few chunks in flight in each direction's kernel buffer, so neither side waits on the
 # other while it checksums or writes a chunk.
 SOCKET_BUFFER_BYTES = 8 << 20
-# How long the sender waits for the reply after its last byte, before calling the plane broken.
+# How long the sender waits for decode's reply once decode has closed the connection on it.
 REPLY_GRACE_SECONDS = 1.0
 
 
@@ -220,12 +220,14 @@ class TcpKvSink(KvSink):
                 try:
                     sending.result()
                 except OSError:  # decode closed first: its reply, if any, says why
-                    pass
-                await asyncio.wait_for(asyncio.shield(reply), REPLY_GRACE_SECONDS)
+                    await asyncio.wait_for(asyncio.shield(reply), REPLY_GRACE_SECONDS)
+                # Sent means handed to the kernel: on a slow link megabytes may still be on
+                # their way, so the reply is waited for as long as the caller's deadline allows.
+                await reply
             return _committed(reply.result(), self.address)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             raise KvTransferFailed(
-                "UNAVAILABLE", f"data plane {self.address} broke: {exc or type(exc).__name__}"
+                "UNAVAILABLE", f"data plane {self.address} broke: {str(exc) or type(exc).__name__}"
             ) from None
         finally:
             reply.cancel()

@@ -170,6 +170,7 @@ class DecodeServicer:
             pending_leases=self.leases.pending,
             instance=self.instance,
             cached_blocks=self.engine.pool.cached_blocks,
+            prefix_cache=self.engine.pool.cache is not None,
         )
 
     async def expire_leases_forever(self) -> None:

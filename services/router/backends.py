@@ -46,6 +46,7 @@ class Instance(Generic[StubT]):
     running: int = 0
     queued_tokens: int = 0
     block_size: int = 0  # decode's KV block size, as last reported
+    prefix_cache: bool = False  # decode keeps a prefix cache, as last reported
 
 
 class BackendSet(Generic[StubT]):
@@ -132,7 +133,7 @@ class BackendSet(Generic[StubT]):
         except grpc.aio.AioRpcError:
             return
         instance.free_blocks, instance.running = stats.free_blocks, stats.running
-        instance.block_size = stats.block_size
+        instance.block_size, instance.prefix_cache = stats.block_size, stats.prefix_cache
 
     async def _check_model(self, instance: Instance[StubT]) -> None:
         """Asks once which model the instance serves; a different one is never used."""

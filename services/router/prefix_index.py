@@ -42,8 +42,3 @@ class PrefixIndex:
                 break
             blocks += 1
         return blocks * self.block_size
-
-    def forget(self, instance: str) -> None:
-        """An instance that restarted (or failed) holds nothing any more."""
-        for holders in self._holders.values():
-            holders.discard(instance)

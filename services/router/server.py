@@ -263,7 +263,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     if not here:
                         ttft = first_token_at - inflight.received
                         self.local_prefill.observe(spec.prompt_len, reply, ttft)
-                    self.prefix_index.record(inflight.prefix_keys, reservation.decode.address)
+                    self._learn_prefix(inflight, reservation)
                     yield self._final(
                         spec,
                         finished,
@@ -277,6 +277,12 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
+
+    def _learn_prefix(self, inflight: Inflight, reservation: Reservation) -> None:
+        """The served prompt's full blocks are now cached where it ran (whatever of them had
+        been evicted was computed again), if that decode keeps a cache."""
+        if inflight.prefix_keys and reservation.decode.prefix_cache:
+            self.prefix_index.record(inflight.prefix_keys, reservation.decode.address)
 
     def _cached_on_first(self, inflight: Inflight, avoid: set[str]) -> int:
         """Prompt tokens the decode instance tried first is believed to hold: with a prefix
