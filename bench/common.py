@@ -14,3 +14,46 @@ def pdserve_bench(flags: list[str], tmp: str, name: str = "run", env=None) -> di
     subprocess.run(command, check=True, capture_output=True, timeout=900, env=env)
     with open(out) as f:
         return json.load(f)["runs"][0]
+
+
+async def drive_schedule(address: str, plan, output_tokens: int) -> list[dict]:
+    """Sends each (arrival second, prompt) of `plan` to the router at `address` on schedule,
+    greedy with `output_tokens` each; one row per request, with the client-side TTFT and what
+    the final response says of its path."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.RouterServiceStub(channel)
+        start = time.perf_counter()
+
+        async def one(at: float, prompt: list[int]) -> dict:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            sent = time.perf_counter()
+            sampling = pb.SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+            request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+            first, last = None, None
+            async for response in stub.Generate(request, timeout=300):
+                first = first or time.perf_counter()
+                last = response
+            assert first is not None and last is not None
+            return {
+                "prompt_tokens": len(prompt),
+                "ttft_s": first - sent,
+                "path": last.metrics.prefill_path,
+                "handoff_bytes": last.metrics.handoff.bytes,
+                "cached_tokens": last.metrics.prefix_cached_tokens,
+            }
+
+        return list(await asyncio.gather(*(one(at, prompt) for at, prompt in plan)))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` by rank (no interpolation)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]

@@ -210,19 +210,10 @@ def _measure_variant(
     procs: list[subprocess.Popen] = []
     log_dir = os.environ.get("PDSERVE_BENCH_LOGS", "/tmp")
     try:
-        decode_port, prefill_port, router_port = free_port(), free_port(), free_port()
-        procs.append(start_in(link.ns_b, log_dir, "decode", decode_port))
-        procs.append(
-            start_in(
-                link.ns_a,
-                log_dir,
-                "prefill",
-                prefill_port,
-                "--decode-allow",
-                f"{ADDR_B}:{decode_port}",
-                *VARIANTS[variant],
-            )
+        decode_port, prefill_port = start_decode_and_prefill(
+            link, log_dir, procs, *VARIANTS[variant]
         )
+        router_port = free_port()
         procs.append(
             start_in(
                 link.ns_a,
@@ -250,13 +241,29 @@ def _measure_variant(
                 rows.append(row)
         return rows
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
+
+
+def start_decode_and_prefill(
+    link: Link, log_dir: str, procs: list[subprocess.Popen], *prefill_flags: str
+) -> tuple[int, int]:
+    """Decode on the far side of the link, prefill on this side allowed to send it KV; both
+    appended to `procs` as they start. Returns (decode port, prefill port)."""
+    decode_port, prefill_port = free_port(), free_port()
+    procs.append(start_in(link.ns_b, log_dir, "decode", decode_port))
+    allow = ("--decode-allow", f"{ADDR_B}:{decode_port}")
+    procs.append(start_in(link.ns_a, log_dir, "prefill", prefill_port, *allow, *prefill_flags))
+    return decode_port, prefill_port
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _probe_in(link: Link, router_port: int, lengths: list[int], reps: int) -> list[dict]:

@@ -23,11 +23,21 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from interconnect import ADDR_B, RATES, Link, _cpu, _version, start_in, wait_serving  # noqa: E402
+from common import drive_schedule, percentile  # noqa: E402
+from interconnect import (  # noqa: E402
+    ADDR_B,
+    RATES,
+    Link,
+    _cpu,
+    _version,
+    start_decode_and_prefill,
+    start_in,
+    stop_all,
+    wait_serving,
+)
 
 from pdserve.core.config import ModelConfig  # noqa: E402
 from pdserve.localstack import free_port  # noqa: E402
@@ -44,39 +54,6 @@ def workload(seed: int, requests: int, rate: float) -> list[tuple[float, list[in
         n = rng.randint(8, 32) if rng.random() < 0.8 else rng.randint(1024, 2048)
         out.append((at, [rng.randrange(1, 256) for _ in range(n)]))
     return out
-
-
-async def _drive(address: str, plan, output_tokens: int) -> list[dict]:
-    """Runs inside the prefill namespace: sends `plan` on schedule, one row per request."""
-    import grpc
-
-    from pdserve.v1 import pdserve_pb2 as pb
-    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.RouterServiceStub(channel)
-        start = time.perf_counter()
-
-        async def one(at: float, prompt: list[int]) -> dict:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            sent = time.perf_counter()
-            request = pb.GenerateRequest(
-                prompt_token_ids=prompt,
-                sampling=pb.SamplingParams(max_tokens=output_tokens, ignore_eos=True),
-            )
-            first, last = None, None
-            async for response in stub.Generate(request, timeout=300):
-                first = first or time.perf_counter()
-                last = response
-            assert last is not None and first is not None
-            return {
-                "prompt_tokens": len(prompt),
-                "ttft_s": first - sent,
-                "path": last.metrics.prefill_path,
-                "handoff_bytes": last.metrics.handoff.bytes,
-            }
-
-        return list(await asyncio.gather(*(one(at, prompt) for at, prompt in plan)))
 
 
 def drive_in(link: Link, port: int, seed: int, args) -> list[dict]:
@@ -103,18 +80,7 @@ def measure(args) -> dict:
     procs: list[subprocess.Popen] = []
     log_dir = os.environ.get("PDSERVE_BENCH_LOGS", "/tmp")
     try:
-        decode_port, prefill_port = free_port(), free_port()
-        procs.append(start_in(link.ns_b, log_dir, "decode", decode_port))
-        procs.append(
-            start_in(
-                link.ns_a,
-                log_dir,
-                "prefill",
-                prefill_port,
-                "--decode-allow",
-                f"{ADDR_B}:{decode_port}",
-            )
-        )
+        decode_port, prefill_port = start_decode_and_prefill(link, log_dir, procs)
         ports = {}
         for name, setting in ROUTERS.items():
             ports[name] = free_port()
@@ -153,19 +119,8 @@ def measure(args) -> dict:
             "threshold_derived": threshold_of(os.path.join(log_dir, "router-auto.log")),
         }
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         link.close()
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def short_rows(rows: list[dict]) -> list[dict]:
@@ -177,8 +132,8 @@ def summary_line(rows: list[dict]) -> str:
     long = [r["ttft_s"] * 1e3 for r in rows if r["prompt_tokens"] > 32]
     local = sum(r["path"] == "decode" for r in rows)
     return (
-        f"short TTFT p50 {_pct(short, 0.5):.1f} ms p99 {_pct(short, 0.99):.1f} ms; "
-        f"long TTFT p50 {_pct(long, 0.5):.0f} ms; {local}/{len(rows)} prefilled on decode"
+        f"short TTFT p50 {percentile(short, 0.5):.1f} ms p99 {percentile(short, 0.99):.1f} ms; "
+        f"long TTFT p50 {percentile(long, 0.5):.0f} ms; {local}/{len(rows)} prefilled on decode"
     )
 
 
@@ -188,13 +143,13 @@ def summarize(result: dict) -> dict:
         mine = [r["rows"] for r in result["rounds"] if r["router"] == name]
         per_round = {
             "short_ttft_p50_ms": [
-                _pct([x["ttft_s"] * 1e3 for x in short_rows(rows)], 0.5) for rows in mine
+                percentile([x["ttft_s"] * 1e3 for x in short_rows(rows)], 0.5) for rows in mine
             ],
             "short_ttft_p99_ms": [
-                _pct([x["ttft_s"] * 1e3 for x in short_rows(rows)], 0.99) for rows in mine
+                percentile([x["ttft_s"] * 1e3 for x in short_rows(rows)], 0.99) for rows in mine
             ],
             "long_ttft_p50_ms": [
-                _pct([x["ttft_s"] * 1e3 for x in rows if x["prompt_tokens"] > 32], 0.5)
+                percentile([x["ttft_s"] * 1e3 for x in rows if x["prompt_tokens"] > 32], 0.5)
                 for rows in mine
             ],
             "handoff_bytes_per_request": [
@@ -240,7 +195,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.drive:
         plan = workload(args.seed, args.requests, args.rate)
-        print(json.dumps(asyncio.run(_drive(f"127.0.0.1:{args.drive}", plan, 16))))
+        print(json.dumps(asyncio.run(drive_schedule(f"127.0.0.1:{args.drive}", plan, 16))))
         return 0
     result = measure(args)
     summary = summarize(result)

@@ -24,8 +24,8 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 
+from common import drive_schedule, percentile  # bench/ is the script's directory
 from pdserve.core.config import ModelConfig
 from pdserve.localstack import start_router, start_service
 from pdserve.loadtest.report import cpu_conditions
@@ -48,48 +48,11 @@ def workload(seed: int, requests: int, rate: float) -> list[tuple[float, list[in
     return out
 
 
-async def drive(address: str, plan) -> list[dict]:
-    import grpc
-
-    from pdserve.v1 import pdserve_pb2 as pb
-    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.RouterServiceStub(channel)
-        start = time.perf_counter()
-
-        async def one(at: float, prompt: list[int]) -> dict:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            sent = time.perf_counter()
-            request = pb.GenerateRequest(
-                prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True)
-            )
-            first, last = None, None
-            async for response in stub.Generate(request, timeout=300):
-                first = first or time.perf_counter()
-                last = response
-            assert first is not None and last is not None
-            return {
-                "prompt_tokens": len(prompt),
-                "ttft_s": first - sent,
-                "handoff_bytes": last.metrics.handoff.bytes,
-                "cached_tokens": last.metrics.prefix_cached_tokens,
-                "path": last.metrics.prefill_path,
-            }
-
-        return list(await asyncio.gather(*(one(at, p) for at, p in plan)))
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def figures(rows: list[dict]) -> dict:
     ttft = [r["ttft_s"] * 1e3 for r in rows]
     return {
-        "ttft_p50_ms": _pct(ttft, 0.5),
-        "ttft_p99_ms": _pct(ttft, 0.99),
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p99_ms": percentile(ttft, 0.99),
         "handoff_bytes_per_request": statistics.mean(r["handoff_bytes"] for r in rows),
         "hit_rate": sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
         "prefilled_on_decode": sum(r["path"] == "decode" for r in rows) / len(rows),
@@ -118,14 +81,13 @@ def measure(args) -> list[dict]:
             services += [decode, prefill, router]
             routers[name] = router.address
         for name in CONFIGS:  # warm-up, not measured: the cache holds the system prompt after
-            asyncio.run(drive(routers[name], workload(1000, 10, args.rate)))
+            asyncio.run(drive_schedule(routers[name], workload(1000, 10, args.rate), 16))
         rounds = []
         for r in range(args.rounds):
             order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
             for name in order:
-                rows = asyncio.run(
-                    drive(routers[name], workload(args.seed + r, args.requests, args.rate))
-                )
+                plan = workload(args.seed + r, args.requests, args.rate)
+                rows = asyncio.run(drive_schedule(routers[name], plan, 16))
                 rounds.append({"round": r, "config": name, "rows": rows, **figures(rows)})
                 shown = ", ".join(f"{k} {v:.3g}" for k, v in figures(rows).items())
                 print(f"round {r} {name}: {shown}", file=sys.stderr)

@@ -3,8 +3,9 @@
 Each configuration is a fresh set of services on loopback (TinyGPT, one torch thread each, the
 router least-loaded), driven by `pdserve bench` with Poisson arrivals:
 
-  chapter        the chapter's workload: 16 req/s, prompts 64-256 tokens, outputs 16-48
-                 (decode-heavy: most of the work is generating tokens);
+  chapter        the chapter's workload: 16 req/s, prompts 64-256 tokens, outputs 16-48;
+  decode-heavy   short prompts and long outputs, offered faster than one decode keeps up
+                 with: 40 req/s, prompts 16-64, outputs 128-256;
   prefill-heavy  long prompts and short outputs: 6 req/s, prompts 1,024-2,048, outputs 2-8.
 
 Reports request throughput and goodput (requests meeting TTFT <= 500 ms and TPOT <= 50 ms, per
@@ -28,6 +29,7 @@ from pdserve.localstack import start_router, start_service
 CONFIGS = {"1P1D": (1, 1), "2P1D": (2, 1), "1P2D": (1, 2), "2P2D": (2, 2)}
 WORKLOADS = {
     "chapter": ["--rate", "16", "--prompt-len", "64-256", "--output-len", "16-48"],
+    "decode-heavy": ["--rate", "40", "--prompt-len", "16-64", "--output-len", "128-256"],
     "prefill-heavy": ["--rate", "6", "--prompt-len", "1024-2048", "--output-len", "2-8"],
 }
 
@@ -59,7 +61,7 @@ def one_run(config: str, workload: str, args, tmp: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--json")
     args = parser.parse_args()
     runs = []

@@ -262,3 +262,26 @@ def test_prefix_aware_expects_nothing_of_a_decode_without_the_cache(stacks, tmp_
         assert [m.metrics.prefill_path for m in paths] == ["prefill"] * 4
     finally:
         router.stop()
+
+
+def test_a_handoff_sends_only_what_decode_does_not_hold(stacks, tmp_path):
+    """Through prefill (no local prefill at all), a prompt whose system prompt the chosen decode
+    holds is sent from the first uncached token on: its handoff is that much smaller, and the
+    tokens are the same."""
+    on, off = stacks
+    router = start_router(
+        on.prefills, on.decodes, "--routing-policy", "prefix-aware", tmp_dir=str(tmp_path)
+    )
+    try:
+        stack = Stack(router, on.prefills, on.decodes)
+        prompts = [SYSTEM + [11 + i] * (40 + i) for i in range(3)]
+        results = [generate(stack.router_stub(), greedy_request(p, 8)) for p in prompts]
+        reference = [generate(off.router_stub(), greedy_request(p, 8)) for p in prompts]
+        assert [r[0] for r in results] == [r[0] for r in reference]
+        for prompt, (_, _, last) in zip(prompts[1:], results[1:], strict=True):
+            m = last.metrics
+            assert m.prefill_path == "prefill" and m.prefix_cached_tokens >= 192
+            assert m.handoff.bytes == (len(prompt) - m.prefix_cached_tokens) * 12288
+        wait_until(stack.pools_settled, 10, "the decode pools whole")
+    finally:
+        router.stop()

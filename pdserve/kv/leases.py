@@ -94,8 +94,9 @@ class LeaseTable:
                 f"one needs {wanted}, over the pending share of {limits.pending_share:g} "
                 f"(--max-pending-lease-share)"
             )
-        # The prompt names the blocks that may stay cached once the KV is in (prefix cache).
-        table = self.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids)
+        # With a prefix cache, the table starts with the prompt's longest cached prefix (its KV
+        # is not sent again), and its blocks may stay cached once the KV is in.
+        table = self.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids, reuse=True)
         now = time.monotonic()
         lease = Lease(
             secrets.token_hex(16),
@@ -104,7 +105,7 @@ class LeaseTable:
             sink,
             now + limits.ttl,
             now + min(limits.first_chunk, limits.ttl),
-            KvAssembly(self.config, spec.prompt_len),
+            KvAssembly(self.config, spec.prompt_len, table.cached_tokens),
         )
         self._leases[lease.lease_id] = lease
         return lease

@@ -54,6 +54,7 @@ class KvTarget:
     model_fingerprint: str
     chunk_bytes: int
     compression: str = "none"  # or "int8": lossy, pdserve.kv.compression
+    skip_tokens: int = 0  # the prompt's first tokens, whose KV decode holds already: not sent
 
 
 class KvSink:
@@ -103,8 +104,9 @@ class KvSink:
             if isinstance(item, int):
                 yield self._commit_record(item)
                 return
-            for piece in self._split(item[1], item[2], self._tokens_per_chunk):
-                chunk = self._chunk(item[0], piece)
+            skip = self.target.skip_tokens  # views from there: nothing is copied
+            for piece in self._split(item[1][skip:], item[2][skip:], self._tokens_per_chunk):
+                chunk = self._chunk(item[0], piece, skip)
                 if self.first_sent_at is None:
                     self.first_sent_at = time.perf_counter()
                 await self._faults.before_chunk(chunk.header.index)
@@ -114,13 +116,13 @@ class KvSink:
                     )
                 yield chunk
 
-    def _chunk(self, layer: int, piece: LayerPiece) -> OutChunk:
+    def _chunk(self, layer: int, piece: LayerPiece, offset: int) -> OutChunk:
         cfg = self.target.config
         header = ChunkHeader(
             index=len(self._crcs),
             layer=layer,
-            token_start=piece.token_start,
-            token_end=piece.token_end,
+            token_start=offset + piece.token_start,
+            token_end=offset + piece.token_end,
             dtype=cfg.dtype,
             shape=(2, piece.token_end - piece.token_start, cfg.kv_heads, cfg.head_dim),
             crc32c=piece.crc32c,

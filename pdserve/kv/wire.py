@@ -186,9 +186,11 @@ def all_finite(t: torch.Tensor) -> bool:
 class KvAssembly:
     """Tracks one lease's incoming stream: chunks in order, each layer's tokens contiguous."""
 
-    def __init__(self, config: ModelConfig, prompt_len: int) -> None:
+    def __init__(self, config: ModelConfig, prompt_len: int, cached_tokens: int = 0) -> None:
+        """`cached_tokens`: the prompt's first tokens are in the decode's prefix cache, so every
+        layer's KV starts after them."""
         self.config, self.prompt_len = config, prompt_len
-        self._next_token = [0] * config.n_layers
+        self._next_token = [cached_tokens] * config.n_layers
         self._crcs: list[int] = []
         self.bytes = 0
 

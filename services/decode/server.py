@@ -77,6 +77,8 @@ class DecodeServicer:
             ttl, self.settings.lease_first_chunk_seconds, self.settings.max_pending_lease_share
         )
         lease = self.leases.grant(spec, limits, sink)  # NeverFits, PoolExhausted: errors.py
+        cached = lease.table.cached_tokens
+        metrics.record_prefix_lookup("decode", spec.prompt_len, cached, self.config)
         log.debug(
             "lease %s granted for request %s (%d blocks)",
             lease.lease_id,
@@ -91,6 +93,7 @@ class DecodeServicer:
                     instance=self.instance,
                     expires_at_unix=time.time() + ttl,
                     data_endpoints=self.data_endpoints,
+                    cached_tokens=cached,
                 )
             )
             async for event in self._events(lease, events):

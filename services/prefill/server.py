@@ -121,6 +121,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT, "lease_id and decode_address are required"
             )
+        if not 0 <= request.cached_tokens < spec.prompt_len:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cached_tokens {request.cached_tokens} outside [0, {spec.prompt_len})",
+            )
         refusal = await self._decode_not_allowed(request.decode_address)
         if refusal:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, refusal)
@@ -184,6 +189,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.served.fingerprint,
             self.settings.chunk_bytes,
             self.settings.kv_compression,
+            request.cached_tokens,
         )
         faults, mode = self.settings.common.faults, self.settings.kv_transport
         endpoint = next((e for e in request.data_endpoints if e.transport == "tcp"), None)

@@ -312,6 +312,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     decode_address=reservation.decode.address,
                     model_fingerprint=self.served.fingerprint,
                     data_endpoints=reservation.lease.data_endpoints,
+                    cached_tokens=reservation.lease.cached_tokens,
                 ),
                 timeout=inflight.remaining(),
             )
