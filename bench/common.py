@@ -54,6 +54,8 @@ async def drive_schedule(address: str, plan, output_tokens: int) -> list[dict]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-quantile of `values` by rank (no interpolation)."""
+    """The q-quantile of `values` by rank (no interpolation); NaN when there are none."""
+    if not values:
+        return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
