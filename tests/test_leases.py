@@ -19,8 +19,16 @@ MODEL = load_served_model("tinygpt", weights=False).fingerprint  # what every le
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
+    # Without the prefix cache: these tests send every prompt token's KV, and a cache would hold
+    # PROMPT after the first of them. test_a_lease_takes_no_kv_for_what_the_cache_holds is the
+    # protocol with the cache.
     service = start_service(
-        "decode", "--torch-threads", "1", tmp_dir=str(tmp_path_factory.mktemp("decode"))
+        "decode",
+        "--torch-threads",
+        "1",
+        "--prefix-cache",
+        "false",
+        tmp_dir=str(tmp_path_factory.mktemp("decode")),
     )
     channel = grpc.insecure_channel(service.address)
     yield pb_grpc.DecodeServiceStub(channel)
@@ -57,15 +65,16 @@ def reserve(stub, request_id="r1", ttl=0.0, max_tokens=4):
 
 
 def kv_pushes(
-    lease_id: str, request_id: str = "r1", first_token: int = 3, prompt=PROMPT
+    lease_id: str, request_id: str = "r1", first_token: int = 3, prompt=PROMPT, skip: int = 0
 ) -> list[pb.PushKvRequest]:
-    """A valid KV stream for PROMPT, computed by the model here, ending with its commit."""
+    """A valid KV stream for PROMPT, computed by the model here, ending with its commit; with
+    `skip`, from that token on (what a lease with cached_tokens expects)."""
     layers = []
     model().prefill_packed([prompt], lambda layer, k, v: layers.append((layer, k, v)))
     pushes, crcs = [], []
     for layer, k, v in layers:
-        for piece in kv_wire.split_layer(k, v, tokens_per=32):
-            start, end = piece.token_start, piece.token_end
+        for piece in kv_wire.split_layer(k[skip:], v[skip:], tokens_per=32):
+            start, end = skip + piece.token_start, skip + piece.token_end
             crcs.append(piece.crc32c)
             pushes.append(
                 pb.PushKvRequest(
@@ -241,3 +250,30 @@ def test_a_caller_cannot_lengthen_or_break_the_lease_ttl(decode, asked):
     call, lease = reserve(decode, ttl=asked)
     assert 0 < lease.expires_at_unix - time.time() <= 30.0 + 1.0  # the server's default TTL
     call.cancel()
+
+
+def test_a_lease_takes_no_kv_for_what_the_cache_holds(tmp_path):
+    """With the prefix cache, a second lease for PROMPT says its first 48 tokens (3 full blocks,
+    never the last token) are cached. KV from token 0 is refused and voids the lease; KV from
+    token 48 commits."""
+    service = start_service("decode", "--torch-threads", "1", tmp_dir=str(tmp_path))
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            call, lease = reserve(stub, max_tokens=2)
+            assert lease.cached_tokens == 0
+            push(stub, kv_pushes(lease.lease_id))
+            list(call)  # decodes and ends: PROMPT's full blocks stay cached
+            call, lease = reserve(stub, max_tokens=2)
+            assert lease.cached_tokens == 48
+            err = push_error(stub, kv_pushes(lease.lease_id))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "expected 48" in err.details()
+            call, lease = reserve(stub, max_tokens=2)
+            reply = push(stub, kv_pushes(lease.lease_id, skip=lease.cached_tokens))
+            assert reply.newly_committed and reply.bytes == (len(PROMPT) - 48) * 12288  # TinyGPT
+            assert len([e for e in call if e.HasField("tokens") or e.HasField("finished")]) > 0
+            stats = _stats(stub)
+            assert stats.free_blocks == stats.total_blocks and stats.cached_blocks >= 3
+    finally:
+        service.stop()
