@@ -375,3 +375,17 @@ def test_paged_write_by_runs_stores_what_index_copy_stores(dtype):
         assert cache.kv[1][:, :, ~written].abs().sum() == 0, name  # nor into another slot
     assert contiguous_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
     assert contiguous_runs([]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_any_nan_or_infinity(dtype):
+    """The ingest check uses min and max, which propagate NaN: it must see a single bad value
+    wherever it sits, in tensors of sizes that do and do not fill a vector register."""
+    for n in (1, 7, 8, 15, 16, 17, 63, 64, 65, 1000, 4097):
+        clean = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+        assert kv_wire.all_finite(clean)
+        for position in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                spoiled = clean.clone()
+                spoiled[position] = bad
+                assert not kv_wire.all_finite(spoiled), (n, position, bad)

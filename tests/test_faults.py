@@ -407,7 +407,16 @@ def test_one_of_two_decodes_killed_under_load_nothing_lost(services, policy):
     def one(i: int) -> int:
         prompt = system + [i % 200 + 1] * (5 + i % 30)
         tokens, _, last = generate(stack.router_stub(), greedy_request(prompt, 24), 90)
-        return len(tokens) if last.usage.completion_tokens == len(tokens) else -1
+        return (
+            len(tokens)
+            if last.usage.completion_tokens == len(tokens)
+            else (
+                len(tokens),
+                last.usage.completion_tokens,
+                last.metrics.attempts,
+                last.metrics.prefill_path,
+            )
+        )
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(40)]

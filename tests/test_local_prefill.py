@@ -139,3 +139,13 @@ def test_auto_derives_a_threshold_from_handed_off_requests(stacks, tmp_path):
         wait_until(stack.pools_settled, 10, "decode's pool to be whole")
     finally:
         router.stop()
+
+
+def test_a_one_token_reply_prefilled_on_decode_counts_its_token(stacks):
+    """The first token is also the last: its emission reaches the stream while the engine thread
+    is still recording the sequence, and the usage must count it all the same."""
+    local, _ = stacks
+    for i in range(40):
+        tokens, _, last = generate(local.router_stub(), greedy_request([i + 1, 2, 3], 1))
+        assert last.metrics.prefill_path == "decode"
+        assert len(tokens) == 1 and last.usage.completion_tokens == 1

@@ -118,7 +118,14 @@ class DecodeServicer:
                 )
             )
             self.engine.prefill_here(handle)
-            async for event in _events(events, lambda: handle.sequence, spec.prompt_len):
+
+            def sequence() -> Sequence | None:
+                # The engine thread sets it after the first token is emitted, holding the lock:
+                # when that token is also the last, its emission can be read here first.
+                with handle.lock:
+                    return handle.sequence
+
+            async for event in _events(events, sequence, spec.prompt_len):
                 yield event
         finally:
             self.engine.abort_local(handle)
