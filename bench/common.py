@@ -53,9 +53,17 @@ async def drive_schedule(address: str, plan, output_tokens: int) -> list[dict]:
         return list(await asyncio.gather(*(one(at, prompt) for at, prompt in plan)))
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile of `values` by rank (no interpolation); NaN when there are none."""
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def write_results(path: str, conditions: dict, **sections) -> None:
+    """Writes a benchmark's results as JSON: its conditions, stamped with the date and the CPU,
+    then each section (rows, runs, summary...) under its own name."""
+    import datetime
+
+    from pdserve.loadtest.report import cpu_conditions
+
+    stamped = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **conditions,
+        "cpu": cpu_conditions(),
+    }
+    with open(path, "w") as f:
+        json.dump({"conditions": stamped, **sections}, f, indent=1)

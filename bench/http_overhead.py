@@ -10,8 +10,6 @@ and the HTTP/gRPC ratio of the medians.
 """
 
 import argparse
-import datetime
-import json
 import os
 import signal
 import statistics
@@ -19,9 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-from common import pdserve_bench  # bench/ is the script's directory
+from common import pdserve_bench, write_results  # bench/ is the script's directory
 from pdserve.client import check_health
-from pdserve.loadtest.report import cpu_conditions
 from pdserve.localstack import free_port, wait_until
 
 FRONTS = {"grpc": [], "http": ["--endpoint", "openai-completions"]}
@@ -103,15 +100,12 @@ def main() -> None:
         )
     if args.json:
         conditions = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": "TinyGPT (random weights), pdserve up, one torch thread each",
             "workload": f"closed loop, {args.concurrency} in flight, {args.requests} requests, "
             "64-token prompts, 64 output tokens, greedy, ignore_eos, 2 warm-up",
             "rounds": args.rounds,
-            "cpu": cpu_conditions(),
         }
-        with open(args.json, "w") as f:
-            json.dump({"conditions": conditions, "rows": rows, "runs": summaries}, f, indent=2)
+        write_results(args.json, conditions, rows=rows, runs=summaries)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ steps both runs share, and the bytes on the wire with and without compression.
 """
 
 import argparse
-import datetime
-import json
 import platform
 
 import torch
 
-from pdserve.loadtest.report import cpu_conditions
+from common import write_results  # bench/ is the script's directory
 from pdserve.kv import compression
 from pdserve.models.loading import load_served_model
 from pdserve.models.tokenizer import ChatMessage
@@ -104,16 +102,13 @@ def main() -> None:
     print(f"{identical}/{len(rows)} prompts gave identical greedy output")
     if args.json:
         conditions = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": served.name,
             "dtype": served.config.dtype,
             "tokens": args.tokens,
-            "cpu": cpu_conditions(),
             "torch": torch.__version__,
             "python": platform.python_version(),
         }
-        with open(args.json, "w") as f:
-            json.dump({"conditions": conditions, "rows": rows}, f, indent=2)
+        write_results(args.json, conditions, rows=rows)
 
 
 if __name__ == "__main__":

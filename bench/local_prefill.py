@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import drive_schedule, percentile  # noqa: E402
+from common import drive_schedule  # noqa: E402
 from interconnect import (  # noqa: E402
     ADDR_B,
     RATES,
@@ -40,6 +40,7 @@ from interconnect import (  # noqa: E402
 )
 
 from pdserve.core.config import ModelConfig  # noqa: E402
+from pdserve.loadtest.stats import percentile  # noqa: E402
 from pdserve.localstack import free_port  # noqa: E402
 
 ROUTERS = {"off": "0", "auto": "auto"}
@@ -132,8 +133,8 @@ def summary_line(rows: list[dict]) -> str:
     long = [r["ttft_s"] * 1e3 for r in rows if r["prompt_tokens"] > 32]
     local = sum(r["path"] == "decode" for r in rows)
     return (
-        f"short TTFT p50 {percentile(short, 0.5):.1f} ms p99 {percentile(short, 0.99):.1f} ms; "
-        f"long TTFT p50 {percentile(long, 0.5):.0f} ms; {local}/{len(rows)} prefilled on decode"
+        f"short TTFT p50 {percentile(short, 50):.1f} ms p99 {percentile(short, 99):.1f} ms; "
+        f"long TTFT p50 {percentile(long, 50):.0f} ms; {local}/{len(rows)} prefilled on decode"
     )
 
 
@@ -143,13 +144,13 @@ def summarize(result: dict) -> dict:
         mine = [r["rows"] for r in result["rounds"] if r["router"] == name]
         per_round = {
             "short_ttft_p50_ms": [
-                percentile([x["ttft_s"] * 1e3 for x in short_rows(rows)], 0.5) for rows in mine
+                percentile([x["ttft_s"] * 1e3 for x in short_rows(rows)], 50) for rows in mine
             ],
             "short_ttft_p99_ms": [
-                percentile([x["ttft_s"] * 1e3 for x in short_rows(rows)], 0.99) for rows in mine
+                percentile([x["ttft_s"] * 1e3 for x in short_rows(rows)], 99) for rows in mine
             ],
             "long_ttft_p50_ms": [
-                percentile([x["ttft_s"] * 1e3 for x in rows if x["prompt_tokens"] > 32], 0.5)
+                percentile([x["ttft_s"] * 1e3 for x in rows if x["prompt_tokens"] > 32], 50)
                 for rows in mine
             ],
             "handoff_bytes_per_request": [

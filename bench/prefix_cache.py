@@ -16,8 +16,6 @@ over all prompt tokens), each as the median and range over rounds.
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
 import platform
 import random
@@ -25,10 +23,10 @@ import statistics
 import sys
 import tempfile
 
-from common import drive_schedule, percentile  # bench/ is the script's directory
+from common import drive_schedule, write_results  # bench/ is the script's directory
 from pdserve.core.config import ModelConfig
+from pdserve.loadtest.stats import percentile
 from pdserve.localstack import start_router, start_service
-from pdserve.loadtest.report import cpu_conditions
 
 SYSTEM_TOKENS = 1024
 CONFIGS = {"cache on": "true", "cache off": "false"}
@@ -51,8 +49,8 @@ def workload(seed: int, requests: int, rate: float) -> list[tuple[float, list[in
 def figures(rows: list[dict]) -> dict:
     ttft = [r["ttft_s"] * 1e3 for r in rows]
     return {
-        "ttft_p50_ms": percentile(ttft, 0.5),
-        "ttft_p99_ms": percentile(ttft, 0.99),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
         "handoff_bytes_per_request": statistics.mean(r["handoff_bytes"] for r in rows),
         "hit_rate": sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
         "prefilled_on_decode": sum(r["path"] == "decode" for r in rows) / len(rows),
@@ -116,7 +114,6 @@ def conditions(args) -> dict:
     return {
         "model": "TinyGPT (random weights), float32 KV",
         "kv_bytes_per_token": ModelConfig().kv_bytes_per_token,
-        "cpu": cpu_conditions(),
         "python": platform.python_version(),
         "stacks": "two 1P1D stacks on loopback, one torch thread per process; decode "
         "--prefix-cache true or false; router --routing-policy prefix-aware "
@@ -125,7 +122,6 @@ def conditions(args) -> dict:
         f"{SYSTEM_TOKENS}-token system prompt + 16-128 tokens, 20 % unrelated 1,040-1,152 "
         f"tokens; 16 output tokens; seed {args.seed} + round; 10 warm-up requests per stack",
         "rounds": f"{args.rounds} per configuration, alternating which goes first",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     }
 
 
@@ -148,10 +144,7 @@ def main(argv=None) -> int:
             )
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"conditions": conditions(args), "summary": summary, "rounds": rounds}, f, indent=1
-            )
+        write_results(args.json, conditions(args), summary=summary, rounds=rounds)
     return 0
 
 

@@ -10,13 +10,11 @@ medians over the rounds with min-max.
 """
 
 import argparse
-import datetime
 import json
 import statistics
 import tempfile
 
-from common import pdserve_bench  # bench/ is the script's directory
-from pdserve.loadtest.report import cpu_conditions
+from common import pdserve_bench, write_results  # bench/ is the script's directory
 from pdserve.localstack import start_router, start_service
 from pdserve.settings import ROUTING_POLICIES
 
@@ -77,17 +75,14 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if args.json:
         conditions = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": "TinyGPT (random weights)",
             "decode_blocks": [args.big_blocks, args.small_blocks],
             "workload": f"Poisson {args.rate} req/s, {args.requests} requests, prompts 128-512, "
             "outputs 64-128, seed 7, greedy, ignore_eos, 2 warm-up",
             "router": "--queue-timeout-seconds 2",
             "rounds": args.rounds,
-            "cpu": cpu_conditions(),
         }
-        with open(args.json, "w") as f:
-            json.dump({"conditions": conditions, "summary": summary, "runs": runs}, f, indent=2)
+        write_results(args.json, conditions, summary=summary, runs=runs)
 
 
 if __name__ == "__main__":

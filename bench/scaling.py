@@ -17,13 +17,10 @@ second instance adds a process, not a core: read the ratios with that in mind.
 """
 
 import argparse
-import datetime
-import json
 import statistics
 import tempfile
 
-from common import pdserve_bench  # bench/ is the script's directory
-from pdserve.loadtest.report import cpu_conditions
+from common import pdserve_bench, write_results  # bench/ is the script's directory
 from pdserve.localstack import start_router, start_service
 
 CONFIGS = {"1P1D": (1, 1), "2P1D": (2, 1), "1P2D": (1, 2), "2P2D": (2, 2)}
@@ -94,17 +91,14 @@ def main() -> None:
     if args.json:
         conditions = {
             "model": "TinyGPT (random weights)",
-            "cpu": cpu_conditions(),
             "services": "local processes on loopback, one torch thread each, router "
             "least-loaded; fresh services every run",
             "workloads": {name: " ".join(flags) for name, flags in WORKLOADS.items()},
             "requests_per_run": args.requests,
             "slo": "TTFT <= 500 ms, TPOT <= 50 ms (pdserve bench's defaults)",
             "rounds": f"{args.rounds}, configurations interleaved (order reversed every round)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
-        with open(args.json, "w") as f:
-            json.dump({"conditions": conditions, "summary": summary, "runs": runs}, f, indent=1)
+        write_results(args.json, conditions, summary=summary, runs=runs)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,14 @@ rounds, with the min-max spread.
 """
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from chapter import chapter_summary, value  # bench/ is the script's directory
-from pdserve.certs import make_dev_certs
-from pdserve.loadtest.report import cpu_conditions
+from pdserve.certs import make_dev_certs, service_flags
+from common import write_results  # bench/ is the script's directory
 from pdserve.localstack import start_router, start_service
 
 METRICS = [
@@ -33,25 +31,12 @@ METRICS = [
 ]
 
 
-def tls_flags(certs: Path | None, role: str) -> list[str]:
-    if certs is None:
-        return []
-    return [
-        "--tls-cert",
-        str(certs / f"{role}.pem"),
-        "--tls-key",
-        str(certs / f"{role}-key.pem"),
-        "--tls-ca",
-        str(certs / "ca.pem"),
-    ]
-
-
 def one_run(certs: Path | None, tmp: str) -> dict:
     common = ["--model", "tinygpt", "--torch-threads", "1"]
-    decode = start_service("decode", *common, *tls_flags(certs, "decode"), tmp_dir=tmp)
-    prefill = start_service("prefill", *common, *tls_flags(certs, "prefill"), tmp_dir=tmp)
+    decode = start_service("decode", *common, *service_flags(certs, "decode"), tmp_dir=tmp)
+    prefill = start_service("prefill", *common, *service_flags(certs, "prefill"), tmp_dir=tmp)
     router = start_router(
-        [prefill], [decode], "--model", "tinygpt", *tls_flags(certs, "router"), tmp_dir=tmp
+        [prefill], [decode], "--model", "tinygpt", *service_flags(certs, "router"), tmp_dir=tmp
     )
     env = dict(os.environ)
     if certs is not None:
@@ -99,17 +84,14 @@ def main() -> None:
         )
     if args.json:
         conditions = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": "TinyGPT (random weights), one torch thread each for prefill and decode",
             "workload": "--preset chapter: Poisson 16 req/s, prompts 64-256, outputs 16-48, "
             "seed 7, 100 requests, greedy, 2 warm-up",
             "tls": "pdserve certs (ECDSA P-256): mTLS between services, TLS to the router, the "
             "KV data plane over TLS",
             "rounds": args.rounds,
-            "cpu": cpu_conditions(),
         }
-        with open(args.json, "w") as f:
-            json.dump({"conditions": conditions, "rows": rows, "runs": runs}, f, indent=2)
+        write_results(args.json, conditions, rows=rows, runs=runs)
 
 
 if __name__ == "__main__":

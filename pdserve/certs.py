@@ -23,6 +23,22 @@ ROLES = ("router", "prefill", "decode", "client")
 VALID_DAYS = 365
 
 
+def service_flags(directory: str | Path | None, role: str) -> list[str]:
+    """The --tls-* flags that give a service `role`'s certificate from `directory` (as
+    make_dev_certs wrote it); none without a directory."""
+    if directory is None:
+        return []
+    out = Path(directory)
+    return [
+        "--tls-cert",
+        str(out / f"{role}.pem"),
+        "--tls-key",
+        str(out / f"{role}-key.pem"),
+        "--tls-ca",
+        str(out / "ca.pem"),
+    ]
+
+
 def make_dev_certs(directory: str | Path, roles=ROLES, readable_keys: bool = False) -> Path:
     """Writes ca.pem, ca-key.pem and <role>.pem / <role>-key.pem for each role; returns the dir.
     Keys are readable by their owner only, unless readable_keys (for containers whose user

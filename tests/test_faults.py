@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve.certs import make_dev_certs
+from pdserve.certs import make_dev_certs, service_flags
 from procs import Stack, generate, greedy_request, start_router, start_service, wait_until
 from pdserve.v1 import pdserve_pb2 as pb
 
@@ -31,22 +31,14 @@ def services(request, tmp_path, certs):
     started = []
     mtls = request.param == "mtls"
 
-    def tls(role):
-        if not mtls:
-            return ()
-        return ("--tls-cert", f"{certs}/{role}.pem", "--tls-key", f"{certs}/{role}-key.pem") + (
-            "--tls-ca",
-            f"{certs}/ca.pem",
-        )
-
     def start(role, *flags, faults="", port=None):
-        flags = (*THREADS, *tls(role), *flags)
+        flags = (*THREADS, *service_flags(certs if mtls else None, role), *flags)
         service = start_service(role, *flags, tmp_dir=str(tmp_path), faults=faults, port=port)
         started.append(service)
         return service
 
     def router(prefills, decodes, *flags, port=None):
-        flags = (*tls("router"), *flags)
+        flags = (*service_flags(certs if mtls else None, "router"), *flags)
         service = start_router(prefills, decodes, *flags, tmp_dir=str(tmp_path), port=port)
         started.append(service)
         return service

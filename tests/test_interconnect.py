@@ -24,10 +24,15 @@ def can_make_namespaces() -> bool:
     return made
 
 
-@pytest.mark.skipif(
+# Both tests shape a link between namespaces they create; without root or iproute2 there is no
+# link to shape. CI runs as root with iproute2, so they run there.
+needs_namespaces = pytest.mark.skipif(
     not can_make_namespaces(),
     reason="network namespaces cannot be created here (needs root and iproute2)",
 )
+
+
+@needs_namespaces
 def test_handoff_at_100mbit_matches_bytes_over_rate(tmp_path):
     out = tmp_path / "interconnect.json"
     subprocess.run(
@@ -56,10 +61,7 @@ def test_handoff_at_100mbit_matches_bytes_over_rate(tmp_path):
         assert row["ttft_s"] >= predicted  # the slow link, not the prefill, sets the TTFT
 
 
-@pytest.mark.skipif(
-    not can_make_namespaces(),
-    reason="network namespaces cannot be created here (needs root and iproute2)",
-)
+@needs_namespaces
 def test_short_prompts_skip_a_congested_100mbit_link(tmp_path):
     """The conditional-disaggregation benchmark, reduced. Concurrent long prompts share the
     100 Mbit/s link, and every request must complete. (Before, a sender that had handed its last

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from procs import Stack, generate, greedy_request, start_router, start_service, wait_until
-from pdserve.certs import make_dev_certs
+from pdserve.certs import make_dev_certs, service_flags
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -27,23 +27,12 @@ def certs(tmp_path_factory):
     return make_dev_certs(tmp_path_factory.mktemp("certs"))
 
 
-def tls_flags(certs, role: str) -> tuple[str, ...]:
-    return (
-        "--tls-cert",
-        str(certs / f"{role}.pem"),
-        "--tls-key",
-        str(certs / f"{role}-key.pem"),
-        "--tls-ca",
-        str(certs / "ca.pem"),
-    )
-
-
 @pytest.fixture(scope="module")
 def tls_stack(certs, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("tls-stack"))
-    decode = start_service("decode", *tls_flags(certs, "decode"), tmp_dir=tmp)
-    prefill = start_service("prefill", *tls_flags(certs, "prefill"), tmp_dir=tmp)
-    router = start_router([prefill], [decode], *tls_flags(certs, "router"), tmp_dir=tmp)
+    decode = start_service("decode", *service_flags(certs, "decode"), tmp_dir=tmp)
+    prefill = start_service("prefill", *service_flags(certs, "prefill"), tmp_dir=tmp)
+    router = start_router([prefill], [decode], *service_flags(certs, "router"), tmp_dir=tmp)
     stack = Stack(router, [prefill], [decode])
     yield stack
     for service in (router, prefill, decode):
