@@ -11,6 +11,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve import metrics
+from pdserve.core.block_pool import BlockTable
 from pdserve.core.chunked_prefill import Handle
 from pdserve.core.request import GenerateSpec, validate
 from pdserve.core.sequence import Sequence
@@ -77,8 +78,7 @@ class DecodeServicer:
             ttl, self.settings.lease_first_chunk_seconds, self.settings.max_pending_lease_share
         )
         lease = self.leases.grant(spec, limits, sink)  # NeverFits, PoolExhausted: errors.py
-        cached = lease.table.cached_tokens
-        metrics.record_prefix_lookup("decode", spec.prompt_len, cached, self.config)
+        cached = self._looked_up(spec, lease.table)
         log.debug(
             "lease %s granted for request %s (%d blocks)",
             lease.lease_id,
@@ -101,13 +101,21 @@ class DecodeServicer:
         finally:
             self._end(lease)
 
+    def _looked_up(self, spec: GenerateSpec, table: BlockTable) -> int:
+        """The prompt tokens a reservation found cached, counted where there is a cache."""
+        if self.engine.pool.cache is not None:
+            metrics.record_prefix_lookup(
+                "decode", spec.prompt_len, table.cached_tokens, self.config
+            )
+        return table.cached_tokens
+
     async def _prefill_here(self, spec: GenerateSpec):
         """The prompt is prefilled in this instance's own loop: room is reserved at once (the
         router's reservation line handles PoolExhausted as for a lease), the answer says so
         with a LeaseGranted that has no lease id, and the tokens follow."""
         events, sink = emission_queue()
         table = self.engine.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids, reuse=True)
-        metrics.record_prefix_lookup("decode", spec.prompt_len, table.cached_tokens, self.config)
+        self._looked_up(spec, table)
         handle = Handle(spec, table, sink)
         try:
             yield pb.DecodeResponse(
