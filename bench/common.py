@@ -48,6 +48,8 @@ async def drive_schedule(address: str, plan, output_tokens: int) -> list[dict]:
                 "path": last.metrics.prefill_path,
                 "handoff_bytes": last.metrics.handoff.bytes,
                 "cached_tokens": last.metrics.prefix_cached_tokens,
+                "prefill_cached_tokens": last.metrics.prefill_cached_tokens,
+                "prefill_seconds": last.metrics.prefill_seconds,
             }
 
         return list(await asyncio.gather(*(one(at, prompt) for at, prompt in plan)))

@@ -1,9 +1,13 @@
-"""Prefix reuse: a shared system prompt, with decode's prefix cache on and off.
+"""Prefix reuse: a shared system prompt, with the prefix caches on and off.
 
-Two 1P1D stacks on loopback, the same except for decode's --prefix-cache. Both routers use
---routing-policy prefix-aware and --local-prefill-tokens 256: with the cache on, a prompt whose
-uncached part is at most 256 tokens is finished on decode from its cached prefix; with it off,
-nothing is cached, so every prompt (over 1,024 tokens) goes through prefill and a handoff.
+Three 1P1D stacks on loopback, the same except for the caches:
+  cache off     decode --prefix-cache false, prefill --prefix-cache-tokens 0: nothing is reused;
+  decode only   decode's cache only: a handoff moves only what decode lacks, but prefill computes
+                every prompt whole (pdserve before prefill had a cache of its own);
+  both          both caches (the defaults): prefill also computes only what it lacks.
+Every router uses --routing-policy prefix-aware and --local-prefill-tokens N (--local-prefill,
+default 0: every prompt goes through prefill and a handoff). With N = 256, a prompt whose
+uncached part is at most 256 tokens is finished on decode from its cached prefix.
 
 Workload: 80 % of the prompts are one 1,024-token system prompt plus a user part of 16-128
 tokens; 20 % are unrelated prompts of 1,040-1,152 tokens. Poisson arrivals, 16 output tokens
@@ -11,7 +15,9 @@ each. Rounds alternate between the stacks, each round the same seeded workload. 
 and p99 (client-side), handoff bytes per request and the hit rate (prompt tokens from the cache
 over all prompt tokens), each as the median and range over rounds.
 
-  .venv/bin/python bench/prefix_cache.py --json bench/results/prefix_cache.json
+  .venv/bin/python bench/prefix_cache.py --json bench/results/prefix_cache_prefill.json
+  .venv/bin/python bench/prefix_cache.py --local-prefill 256 --configs "cache off,decode only" \
+      --json bench/results/prefix_cache.json
 """
 
 import argparse
@@ -29,7 +35,12 @@ from pdserve.loadtest.stats import percentile
 from pdserve.localstack import start_router, start_service
 
 SYSTEM_TOKENS = 1024
-CONFIGS = {"cache on": "true", "cache off": "false"}
+# name: (decode --prefix-cache, prefill --prefix-cache-tokens)
+CONFIGS = {
+    "cache off": ("false", "0"),
+    "decode only": ("true", "0"),
+    "both": ("true", "16384"),
+}
 
 
 def workload(seed: int, requests: int, rate: float) -> list[tuple[float, list[int]]]:
@@ -54,6 +65,9 @@ def figures(rows: list[dict]) -> dict:
         "handoff_bytes_per_request": statistics.mean(r["handoff_bytes"] for r in rows),
         "hit_rate": sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
         "prefilled_on_decode": sum(r["path"] == "decode" for r in rows) / len(rows),
+        "prefill_hit_rate": sum(r["prefill_cached_tokens"] for r in rows)
+        / sum(r["prompt_tokens"] for r in rows),
+        "prefill_ms_p50": percentile([r["prefill_seconds"] * 1e3 for r in rows], 50),
     }
 
 
@@ -62,9 +76,12 @@ def measure(args) -> list[dict]:
     services, routers = [], {}
     flags = ("--model", "tinygpt", "--torch-threads", "1")
     try:
-        for name, cache in CONFIGS.items():
-            decode = start_service("decode", *flags, "--prefix-cache", cache, tmp_dir=tmp)
-            prefill = start_service("prefill", *flags, tmp_dir=tmp)
+        for name in args.configs:
+            decode_cache, prefill_cache = CONFIGS[name]
+            decode = start_service("decode", *flags, "--prefix-cache", decode_cache, tmp_dir=tmp)
+            prefill = start_service(
+                "prefill", *flags, "--prefix-cache-tokens", prefill_cache, tmp_dir=tmp
+            )
             router = start_router(
                 [prefill],
                 [decode],
@@ -73,16 +90,16 @@ def measure(args) -> list[dict]:
                 "--routing-policy",
                 "prefix-aware",
                 "--local-prefill-tokens",
-                "256",
+                str(args.local_prefill),
                 tmp_dir=tmp,
             )
             services += [decode, prefill, router]
             routers[name] = router.address
-        for name in CONFIGS:  # warm-up, not measured: the cache holds the system prompt after
+        for name in args.configs:  # warm-up, not measured: the cache holds the system prompt after
             asyncio.run(drive_schedule(routers[name], workload(1000, 10, args.rate), 16))
         rounds = []
         for r in range(args.rounds):
-            order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
+            order = args.configs if r % 2 == 0 else args.configs[::-1]
             for name in order:
                 plan = workload(args.seed + r, args.requests, args.rate)
                 rows = asyncio.run(drive_schedule(routers[name], plan, 16))
@@ -95,9 +112,9 @@ def measure(args) -> list[dict]:
             service.stop()
 
 
-def summarize(rounds: list[dict]) -> dict:
+def summarize(rounds: list[dict], configs: list[str]) -> dict:
     out = {}
-    for name in CONFIGS:
+    for name in configs:
         mine = [r for r in rounds if r["config"] == name]
         out[name] = {
             key: {
@@ -105,7 +122,14 @@ def summarize(rounds: list[dict]) -> dict:
                 "min": min(r[key] for r in mine),
                 "max": max(r[key] for r in mine),
             }
-            for key in ("ttft_p50_ms", "ttft_p99_ms", "handoff_bytes_per_request", "hit_rate")
+            for key in (
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "handoff_bytes_per_request",
+                "hit_rate",
+                "prefill_hit_rate",
+                "prefill_ms_p50",
+            )
         }
     return out
 
@@ -115,9 +139,11 @@ def conditions(args) -> dict:
         "model": "TinyGPT (random weights), float32 KV",
         "kv_bytes_per_token": ModelConfig().kv_bytes_per_token,
         "python": platform.python_version(),
-        "stacks": "two 1P1D stacks on loopback, one torch thread per process; decode "
-        "--prefix-cache true or false; router --routing-policy prefix-aware "
-        "--local-prefill-tokens 256",
+        "stacks": f"{len(args.configs)} 1P1D stacks on loopback ({', '.join(args.configs)}), "
+        "one torch thread per process; decode --prefix-cache and prefill "
+        "--prefix-cache-tokens per configuration: "
+        + "; ".join(f"{n}: {CONFIGS[n][0]}, {CONFIGS[n][1]}" for n in args.configs)
+        + f"; router --routing-policy prefix-aware --local-prefill-tokens {args.local_prefill}",
         "workload": f"{args.requests} requests per round, Poisson at {args.rate}/s; 80 % a "
         f"{SYSTEM_TOKENS}-token system prompt + 16-128 tokens, 20 % unrelated 1,040-1,152 "
         f"tokens; 16 output tokens; seed {args.seed} + round; 10 warm-up requests per stack",
@@ -131,10 +157,19 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--rate", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--local-prefill", type=int, default=0, help="the routers' threshold")
+    p.add_argument(
+        "--configs",
+        type=lambda text: text.split(","),
+        default=list(CONFIGS),
+        help=f"comma-separated, of: {', '.join(CONFIGS)}",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if unknown := set(args.configs) - set(CONFIGS):
+        p.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     rounds = measure(args)
-    summary = summarize(rounds)
+    summary = summarize(rounds, args.configs)
     for name, figs in summary.items():
         print(
             name

@@ -165,7 +165,8 @@ PREFIX_LOOKUP_TOKENS = Counter(
 )
 PREFIX_HIT_TOKENS = Counter(
     "pdserve_prefix_cache_hit_tokens_total",
-    "Prompt tokens whose KV came from the prefix cache: neither computed nor handed off",
+    "Prompt tokens whose KV came from the service's prefix cache rather than being computed (on "
+    "decode, nor handed off either)",
     ["service"],
 )
 PREFIX_SAVED_BYTES = Counter(
@@ -175,10 +176,13 @@ PREFIX_SAVED_BYTES = Counter(
 )
 
 
-def record_prefix_lookup(service: str, prompt_tokens: int, hit_tokens: int, config) -> None:
+def record_prefix_lookup(
+    service: str, prompt_tokens: int, hit_tokens: int, saved_handoff_bytes: int = 0
+) -> None:
     PREFIX_LOOKUP_TOKENS.labels(service).inc(prompt_tokens)
     PREFIX_HIT_TOKENS.labels(service).inc(hit_tokens)
-    PREFIX_SAVED_BYTES.labels(service).inc(hit_tokens * config.kv_bytes_per_token)
+    if saved_handoff_bytes:
+        PREFIX_SAVED_BYTES.labels(service).inc(saved_handoff_bytes)
 
 
 HTTP_REQUESTS = Counter(

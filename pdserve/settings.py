@@ -21,6 +21,9 @@ from pdserve.faults import Faults
 ENV_PREFIX = "PDSERVE_"
 DEFAULT_PORTS = {"router": 50051, "prefill": 50052, "decode": 50053, "colocated": 50051}
 DTYPES = ("", "bfloat16", "float16", "float32")
+# Prefill's prefix cache cuts prompts into blocks of this many tokens, decode's default
+# --block-size, so both caches find the same prefixes.
+PREFILL_BLOCK_TOKENS = 16
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _BOOLS = {
     "1": True,
@@ -197,6 +200,13 @@ class PrefillSettings:
         "gRPC), tcp (the data plane, or the request fails), grpc (DecodeService.PushKv)",
     )
 
+    prefix_cache_tokens: int = setting(
+        16384,
+        "prefill service: prompt tokens of KV kept in its own prefix cache (a hash chain over "
+        "16-token blocks, least recently used evicted first), so a prompt starts computing after "
+        "its longest cached prefix; also the room its batches are computed in. 0: no cache",
+    )
+
     kv_compression: str = setting(
         "none",
         "KV on the wire: none (exact), or int8 (lossy: a scale per token and head, about 0.53x "
@@ -213,6 +223,11 @@ class PrefillSettings:
             "max_queued_prompt_tokens",
             "push_timeout_seconds",
         )
+        if self.prefix_cache_tokens != 0 and self.prefix_cache_tokens < PREFILL_BLOCK_TOKENS:
+            raise ValueError(
+                f"--prefix-cache-tokens {self.prefix_cache_tokens}: 0 (no cache), or at least "
+                f"one block of {PREFILL_BLOCK_TOKENS}"
+            )
         if self.kv_compression not in KV_COMPRESSIONS:
             raise ValueError(
                 f"--kv-compression {self.kv_compression!r}: expected one of "

@@ -32,13 +32,13 @@ def test_the_threshold_follows_the_measured_costs():
     assert LocalPrefill("24").here(24) and not LocalPrefill("24").here(25)
     fast_link = LocalPrefill("auto")
     for _ in range(MIN_SAMPLES - 1):  # 0.1 ms/token compute, 0.02 exposed, 4 ms overhead
-        fast_link.observe(100, reply(100, 0.1, 0.02), ttft=0.004 + 0.010 + 0.002)
+        fast_link.observe(100, 100, reply(100, 0.1, 0.02), ttft=0.004 + 0.010 + 0.002)
         assert fast_link.threshold() == 0  # too few measurements to move anything yet
-    fast_link.observe(100, reply(100, 0.1, 0.02), ttft=0.004 + 0.010 + 0.002)
+    fast_link.observe(100, 100, reply(100, 0.1, 0.02), ttft=0.004 + 0.010 + 0.002)
     assert abs(fast_link.threshold() - 50) <= 1  # h / (c - e) = 4 ms / 0.08 ms per token
     slow_link = LocalPrefill("auto")
     for _ in range(MIN_SAMPLES):  # the link exposes more per token than compute costs
-        slow_link.observe(100, reply(100, 0.1, 0.5), ttft=0.004 + 0.010 + 0.050)
+        slow_link.observe(100, 100, reply(100, 0.1, 0.5), ttft=0.004 + 0.010 + 0.050)
     assert slow_link.threshold() == LOCAL_CAP_TOKENS
 
 

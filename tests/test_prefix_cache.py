@@ -153,6 +153,10 @@ def test_prefix_aware_puts_the_holder_of_the_longest_prefix_first():
     assert index.cached_tokens(request.prefix_keys, "b") == 12
     assert policy.order([roomy_a, b, c], request, {"b"})[-1].address == "b"  # b just failed
     assert policy.order([roomy_a, b, c], Request([]), ())[0].address == "a"  # least-loaded
+    idle_a, busy_b = Fake("a"), Fake("b", queued_tokens=5000)
+    prefill = PrefixAware("prefill", index)  # the prefix outweighs prefill's queue too
+    assert [i.address for i in prefill.order([idle_a, busy_b], request, ())] == ["b", "a"]
+    assert prefill.order([idle_a, busy_b], Request([]), ())[0].address == "a"
 
 
 SYSTEM = [(i * 13) % 250 + 1 for i in range(200)]  # a 200-token system prompt
@@ -161,8 +165,9 @@ METRICS_PORTS = (free_port(), free_port())  # the cached decodes' /metrics
 
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory):
-    """Two decodes with the cache behind a prefix-aware router that prefills up to 64 uncached
-    tokens on decode; and, for reference, a decode without it behind a plain router."""
+    """Two prefills and two decodes with their caches behind a prefix-aware router that prefills
+    up to 64 uncached tokens on decode; and, for reference, a prefill and a decode without
+    caches behind a plain router."""
     tmp = str(tmp_path_factory.mktemp("prefix"))
     flags = ("--torch-threads", "1")
     cached = [
@@ -170,9 +175,10 @@ def stacks(tmp_path_factory):
         for port in METRICS_PORTS
     ]
     plain = start_service("decode", *flags, "--prefix-cache", "false", tmp_dir=tmp)
-    prefill = start_service("prefill", *flags, tmp_dir=tmp)
+    prefills = [start_service("prefill", *flags, tmp_dir=tmp) for _ in range(2)]
+    plain_prefill = start_service("prefill", *flags, "--prefix-cache-tokens", "0", tmp_dir=tmp)
     on = start_router(
-        [prefill],
+        prefills,
         cached,
         "--routing-policy",
         "prefix-aware",
@@ -180,9 +186,9 @@ def stacks(tmp_path_factory):
         "64",
         tmp_dir=tmp,
     )
-    off = start_router([prefill], [plain], tmp_dir=tmp)
-    yield Stack(on, [prefill], cached), Stack(off, [prefill], [plain])
-    for service in (on, off, prefill, plain, *cached):
+    off = start_router([plain_prefill], [plain], tmp_dir=tmp)
+    yield Stack(on, prefills, cached), Stack(off, [plain_prefill], [plain])
+    for service in (on, off, plain_prefill, plain, *prefills, *cached):
         service.stop()
 
 
@@ -265,9 +271,10 @@ def test_prefix_aware_expects_nothing_of_a_decode_without_the_cache(stacks, tmp_
 
 
 def test_a_handoff_sends_only_what_decode_does_not_hold(stacks, tmp_path):
-    """Through prefill (no local prefill at all), a prompt whose system prompt the chosen decode
-    holds is sent from the first uncached token on: its handoff is that much smaller, and the
-    tokens are the same."""
+    """Through prefill (no local prefill at all), a prompt whose system prompt the chosen
+    prefill and decode hold is computed, and sent, from the first uncached token on: the
+    handoff is that much smaller, prefill computes only the rest, and the tokens are the
+    same."""
     on, off = stacks
     router = start_router(
         on.prefills, on.decodes, "--routing-policy", "prefix-aware", tmp_dir=str(tmp_path)
@@ -281,7 +288,10 @@ def test_a_handoff_sends_only_what_decode_does_not_hold(stacks, tmp_path):
         for prompt, (_, _, last) in zip(prompts[1:], results[1:], strict=True):
             m = last.metrics
             assert m.prefill_path == "prefill" and m.prefix_cached_tokens >= 192
+            assert m.prefill_cached_tokens >= 192  # prefix-aware routing met prefill's cache
             assert m.handoff.bytes == (len(prompt) - m.prefix_cached_tokens) * 12288
+        assert len({r[2].metrics.prefill_instance for r in results}) == 1
+        assert all(r[2].metrics.prefill_cached_tokens == 0 for r in reference)
         wait_until(stack.pools_settled, 10, "the decode pools whole")
     finally:
         router.stop()

@@ -1,7 +1,9 @@
 """Batched prefill: waiting prompts are run together, up to a batch size and a token budget.
 
 Each job gets its own slice of every layer's K and V as soon as the layer is computed (so a
-transfer can start while later layers run), then its first token.
+transfer can start while later layers run), then its first token. With a prefix cache
+(prefill_prefix.py), each prompt is computed from the end of its longest cached prefix, and the
+token budget counts only the tokens computed.
 """
 
 import threading
@@ -12,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from pdserve.core.block_pool import BlockTable
+from pdserve.core.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.core.request import GenerateSpec
 from pdserve.core.sampling import sample
 from pdserve.models.protocol import CausalLM
@@ -24,22 +28,40 @@ class PrefillTiming:
     batch_size: int
     batch_tokens: int
     finished_at: float  # time.perf_counter() when the batch's compute ended
+    cached_tokens: int = 0  # of this prompt, taken from the prefix cache rather than computed
 
 
 @dataclass
 class PrefillJob:
     spec: GenerateSpec
-    # Called with (layer, K, V) of this prompt, each [prompt tokens, heads, head_dim].
+    # Called with (layer, K, V) of this prompt's positions [send_from, prompt length), each
+    # [tokens, heads, head_dim].
     on_layer_kv: Callable[[int, torch.Tensor, torch.Tensor], None]
     on_done: Callable[[int, PrefillTiming], None]
     on_error: Callable[[str], None]
+    send_from: int = 0  # the KV of earlier positions is not wanted (decode holds it already)
     enqueued_at: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    table: BlockTable | None = None  # its room in the prefix cache's pool, while it runs
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.table.cached_tokens if self.table else 0
+
+    def hand_out(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.cancelled:
+            self.on_layer_kv(layer, k, v)
 
 
 class PrefillScheduler:
-    def __init__(self, model: CausalLM, max_batch_size: int, max_batch_tokens: int) -> None:
-        self.model = model
+    def __init__(
+        self,
+        model: CausalLM,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        prefix: PrefixCachedPrefill | None = None,
+    ) -> None:
+        self.model, self.prefix = model, prefix
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self._waiting: deque[PrefillJob] = deque()
         self._running: list[PrefillJob] = []  # the batch of the current step
@@ -83,9 +105,7 @@ class PrefillScheduler:
             return None
         start = time.perf_counter()
         try:
-            logits = self.model.prefill_packed(
-                [list(j.spec.prompt_token_ids) for j in batch], self._fan_out(batch)
-            )
+            logits = self._forward(batch)
             first = sample(
                 logits,
                 [j.spec.sampling for j in batch],
@@ -96,18 +116,41 @@ class PrefillScheduler:
                 job.on_error(f"prefill failed: {exc}")
             return None
         finished = time.perf_counter()
-        tokens = sum(j.spec.prompt_len for j in batch)
+        tokens = sum(j.spec.prompt_len - j.cached_tokens for j in batch)
         for job, token in zip(batch, first, strict=True):
             job.on_done(
                 token,
                 PrefillTiming(
-                    start - job.enqueued_at, finished - start, len(batch), tokens, finished
+                    start - job.enqueued_at,
+                    finished - start,
+                    len(batch),
+                    tokens,
+                    finished,
+                    job.cached_tokens,
                 ),
             )
         return PrefillTiming(0.0, finished - start, len(batch), tokens, finished)
 
+    def _forward(self, batch: list[PrefillJob]) -> torch.Tensor:
+        """The last position's logits of each prompt: from their cached prefixes when they have
+        room in the prefix cache (all do, or a lone one that never fits there), else whole."""
+        if self.prefix is not None and batch[0].table is not None:
+            return self.prefix.run(
+                [
+                    CachedPrompt(j.spec.prompt_token_ids, j.table, j.send_from, j.hand_out)
+                    for j in batch
+                    if j.table is not None
+                ]
+            )
+        return self.model.prefill_packed(
+            [list(j.spec.prompt_token_ids) for j in batch], self._fan_out(batch)
+        )
+
     def schedule(self) -> list[PrefillJob]:
-        """FIFO jobs within the batch size and token budget; always at least one if any wait."""
+        """FIFO jobs within the batch size and token budget; always at least one if any wait.
+        With a prefix cache, each job gets its room there first, and its cached prefix costs
+        nothing against the budget; a job the pool cannot hold waits for the next batch, unless
+        it is the first, which then runs alone without the cache."""
         batch: list[PrefillJob] = []
         tokens = 0
         with self._lock:
@@ -116,10 +159,18 @@ class PrefillScheduler:
                 if job.cancelled:
                     self._waiting.popleft()
                     continue
-                if batch and tokens + job.spec.prompt_len > self.max_batch_tokens:
+                job.table = self.prefix.reserve(job.spec.prompt_token_ids) if self.prefix else None
+                cost = job.spec.prompt_len - job.cached_tokens
+                uncached = self.prefix is not None and job.table is None
+                if batch and (tokens + cost > self.max_batch_tokens or uncached):
+                    if job.table is not None:
+                        job.table.release()
+                        job.table = None
                     break
                 batch.append(self._waiting.popleft())
-                tokens += job.spec.prompt_len
+                tokens += cost
+                if uncached:
+                    break
         return batch
 
     @staticmethod
@@ -131,7 +182,6 @@ class PrefillScheduler:
 
         def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             for job, lo, hi in bounds:
-                if not job.cancelled:
-                    job.on_layer_kv(layer, k[lo:hi], v[lo:hi])
+                job.hand_out(layer, k[lo + job.send_from : hi], v[lo + job.send_from : hi])
 
         return on_layer

@@ -75,7 +75,8 @@ class KvSink:
 
     # -- the writer's side
     def on_layer_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """From the engine thread: queue a layer for sending."""
+        """From the engine thread: queue a layer's K and V [tokens, heads, dim] for sending, of
+        positions from skip_tokens to the prompt's end."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (layer, k, v))
 
     def commit(self, first_token: int) -> None:
@@ -104,8 +105,8 @@ class KvSink:
             if isinstance(item, int):
                 yield self._commit_record(item)
                 return
-            skip = self.target.skip_tokens  # views from there: nothing is copied
-            for piece in self._split(item[1][skip:], item[2][skip:], self._tokens_per_chunk):
+            skip = self.target.skip_tokens  # the layer's KV starts at this position
+            for piece in self._split(item[1], item[2], self._tokens_per_chunk):
                 chunk = self._chunk(item[0], piece, skip)
                 if self.first_sent_at is None:
                     self.first_sent_at = time.perf_counter()

@@ -104,8 +104,9 @@ class DecodeServicer:
     def _looked_up(self, spec: GenerateSpec, table: BlockTable) -> int:
         """The prompt tokens a reservation found cached, counted where there is a cache."""
         if self.engine.pool.cache is not None:
+            hit = table.cached_tokens
             metrics.record_prefix_lookup(
-                "decode", spec.prompt_len, table.cached_tokens, self.config
+                "decode", spec.prompt_len, hit, hit * self.config.kv_bytes_per_token
             )
         return table.cached_tokens
 

@@ -11,6 +11,7 @@ import grpc
 from pdserve import metrics
 
 from pdserve.core.engine_loop import EngineLoop
+from pdserve.core.prefill_prefix import PrefixCachedPrefill
 from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import validate
 from pdserve.kv.grpc_transport import GrpcKvSink
@@ -30,7 +31,7 @@ from pdserve.rpc.server import (
 )
 from pdserve.rpc.discovery import resolve
 from pdserve.rpc.tls import Tls, is_loopback
-from pdserve.settings import PrefillSettings
+from pdserve.settings import PREFILL_BLOCK_TOKENS, PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -48,8 +49,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, served: ServedModel, settings: PrefillSettings, instance: str) -> None:
         self.served, self.config = served, served.config
         self.settings, self.instance = settings, instance
+        self.prefix = (
+            PrefixCachedPrefill(
+                served.built, self.config, settings.prefix_cache_tokens, PREFILL_BLOCK_TOKENS
+            )
+            if settings.prefix_cache_tokens
+            else None
+        )
         self.scheduler = PrefillScheduler(
-            served.built, settings.max_batch_size, settings.max_batch_tokens
+            served.built, settings.max_batch_size, settings.max_batch_tokens, self.prefix
         )
         self.loop = EngineLoop(
             "prefill-engine", self._step, lambda: self.scheduler.has_work, self._crashed
@@ -140,6 +148,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             sink.on_layer_kv,
             on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
             on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)),
+            send_from=request.cached_tokens,
         )
         # Never unbounded: a decode that stops reading must not hold this call (and its KV) forever.
         deadline = min(context.time_remaining() or math.inf, self.settings.push_timeout_seconds)
@@ -225,6 +234,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         metrics.record_handoff("prefill", handoff, committed.bytes)
         metrics.KV_TRANSFERS.labels("prefill", sink.transport).inc()
         metrics.REQUESTS.labels("prefill", "ok", "OK").inc()
+        if self.prefix is not None:
+            metrics.record_prefix_lookup(
+                "prefill", len(sink.target.prompt_token_ids), timing.cached_tokens
+            )
         return pb.PrefillResponse(
             request_id=request_id,
             first_token_id=first_token,
@@ -239,6 +252,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             prefill_seconds=timing.prefill_seconds,
             queue_seconds=timing.queue_seconds,
             instance=self.instance,
+            cached_tokens=timing.cached_tokens,
+            prefix_cache=self.prefix is not None,
         )
 
     def _channel(self, address: str) -> grpc.aio.Channel:

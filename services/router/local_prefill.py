@@ -62,15 +62,19 @@ class LocalPrefill:
             return LOCAL_CAP_TOKENS  # the link adds more per token than computing it costs
         return min(LOCAL_CAP_TOKENS, math.floor(self.overhead / saved_per_token))
 
-    def observe(self, prompt_tokens: int, reply: pb.PrefillResponse, ttft: float) -> None:
-        """Learns from one request that went through a prefill instance: `ttft` is the
-        router's time to first token for it."""
-        if not self.auto or reply.prefill_seconds <= 0 or prompt_tokens <= 0:
+    def observe(
+        self, prompt_tokens: int, sent_tokens: int, reply: pb.PrefillResponse, ttft: float
+    ) -> None:
+        """Learns from one request that went through a prefill instance: `sent_tokens` of its
+        prompt were handed off (decode's prefix cache held the rest), and `ttft` is the router's
+        time to first token for it. Prefill computed the tokens its own cache did not hold."""
+        computed = prompt_tokens - reply.cached_tokens
+        if not self.auto or reply.prefill_seconds <= 0 or computed <= 0 or sent_tokens <= 0:
             return
         handoff = reply.handoff
         samples = (
-            reply.prefill_seconds / prompt_tokens,
-            handoff.exposed_seconds / prompt_tokens,
+            reply.prefill_seconds / computed,
+            handoff.exposed_seconds / sent_tokens,
             max(ttft - reply.queue_seconds - reply.prefill_seconds - handoff.exposed_seconds, 0),
             (handoff.wire_bytes or handoff.bytes) / handoff.seconds if handoff.seconds else 0.0,
         )

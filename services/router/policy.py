@@ -3,8 +3,8 @@
 The instance set (backends.py) does discovery and health; a policy only orders the usable
 instances it is given, from the load figures the set keeps on each: for decode, its pool's free
 blocks and running sequences (from a GetPoolStats every refresh); for prefill, the prompt tokens
-this router has sent it and not yet seen answered; for prefix-aware, which decode instance is
-believed to hold the longest prefix of this prompt (prefix_index.py). Instances in `avoid` (which
+this router has sent it and not yet seen answered; for prefix-aware, which instance is believed
+to hold the longest prefix of this prompt in its prefix cache (prefix_index.py). Instances in `avoid` (which
 just failed this request) always go last. Chosen with --routing-policy.
 """
 
@@ -63,16 +63,17 @@ class LeastLoaded:
 
 
 class PrefixAware:
-    """Decode: the instance believed to hold the longest prefix of the prompt first, then by
-    least-loaded's order; so requests sharing a system prompt meet their cached KV. Prefill:
-    least-loaded."""
+    """The instance believed to hold the longest prefix of the prompt first, then by
+    least-loaded's order; so requests sharing a system prompt meet their cached KV: on decode,
+    which then needs only the rest handed off, and on prefill, which then computes only the
+    rest."""
 
     def __init__(self, role: str, index: PrefixIndex) -> None:
-        self._role, self._index, self._fallback = role, index, LeastLoaded(role)
+        self._index, self._fallback = index, LeastLoaded(role)
 
     def order(self, instances: list, request: Routed | None, avoid: Collection[str]) -> list:
         ordered = self._fallback.order(instances, request, ())
-        if self._role == "decode" and request is not None and request.prefix_keys:
+        if request is not None and request.prefix_keys:
             keys = request.prefix_keys
             ordered.sort(key=lambda i: -self._index.cached_tokens(keys, i.address))
         return _avoided_last(ordered, avoid)

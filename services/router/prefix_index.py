@@ -1,8 +1,9 @@
-"""Which decode instance holds which prompt prefixes, as far as this router knows.
+"""Which instances hold which prompt prefixes, as far as this router knows.
 
 After a request completes, its prompt's full-block keys (the hash chain of
-pdserve.core.prefix_cache) are recorded against the decode instance that served it: that
-instance now caches those blocks, unless it has evicted them since. The index is the router's
+pdserve.core.prefix_cache) are recorded against the decode instance that served it and the
+prefill instance that computed it, each if it keeps a prefix cache: that instance now caches
+those blocks, unless it has evicted them since. The index is the router's
 belief, not the truth: a miss costs only the prefill that would have run anyway. It is bounded
 (least recently used keys are forgotten), so memory does not grow with traffic.
 """

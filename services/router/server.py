@@ -249,7 +249,9 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             prefill_call: asyncio.Future = asyncio.get_running_loop().create_future()
             prefill_call.set_result(pb.PrefillResponse())
         else:
-            prefill = self._pick_prefill(avoid)  # first: a reservation must not be left behind
+            prefill = self._pick_prefill(
+                inflight, avoid
+            )  # first: a reservation must not be left behind
             reservation = await self.line.reserve(inflight, avoid)
             prefill_call = self._start_prefill(inflight, prefill, reservation)
         try:
@@ -262,8 +264,11 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     finished, reply, first_token_at = event
                     if not here:
                         ttft = first_token_at - inflight.received
-                        self.local_prefill.observe(spec.prompt_len, reply, ttft)
-                    self._learn_prefix(inflight, reservation)
+                        sent = spec.prompt_len - reservation.lease.cached_tokens
+                        self.local_prefill.observe(spec.prompt_len, sent, reply, ttft)
+                    self._learn_prefix(
+                        inflight, reservation, prefill if reply.prefix_cache else None
+                    )
                     yield self._final(
                         spec,
                         finished,
@@ -278,11 +283,18 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             reservation.call.cancel()
             prefill_call.cancel()
 
-    def _learn_prefix(self, inflight: Inflight, reservation: Reservation) -> None:
+    def _learn_prefix(
+        self, inflight: Inflight, reservation: Reservation, caching_prefill: Instance | None
+    ) -> None:
         """The served prompt's full blocks are now cached where it ran (whatever of them had
-        been evicted was computed again), if that decode keeps a cache."""
-        if inflight.prefix_keys and reservation.decode.prefix_cache:
+        been evicted was computed again): on its decode instance if that keeps a cache, and on
+        `caching_prefill`, the prefill instance that computed it if that keeps one."""
+        if not inflight.prefix_keys:
+            return
+        if reservation.decode.prefix_cache:
             self.prefix_index.record(inflight.prefix_keys, reservation.decode.address)
+        if caching_prefill is not None:
+            self.prefix_index.record(inflight.prefix_keys, caching_prefill.address)
 
     def _cached_on_first(self, inflight: Inflight, avoid: set[str]) -> int:
         """Prompt tokens the decode instance tried first is believed to hold: with a prefix
@@ -329,8 +341,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         prefill_call.add_done_callback(prompt_answered)
         return prefill_call
 
-    def _pick_prefill(self, avoid: set[str]) -> Instance[pb_grpc.PrefillServiceStub]:
-        ordered = self.prefills.ordered(avoid)
+    def _pick_prefill(
+        self, inflight: Inflight, avoid: set[str]
+    ) -> Instance[pb_grpc.PrefillServiceStub]:
+        ordered = self.prefills.ordered(avoid, inflight)
         if not ordered:
             raise HandoffFailed("no prefill instance is known", set())
         return ordered[0]
@@ -435,6 +449,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 attempts=attempt,
                 prefill_path=prefill_path,
                 prefix_cached_tokens=reservation.lease.cached_tokens,
+                prefill_cached_tokens=reply.cached_tokens,
             ),
         )
 
