@@ -111,6 +111,7 @@ class CommonSettings:
 
 KV_TRANSPORTS = ("auto", "tcp", "grpc")
 ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix-aware")  # services/router/policy.py
+PREFIX_CACHE_SCOPES = ("client", "shared")
 KV_COMPRESSIONS = ("none", "int8")
 
 
@@ -268,9 +269,16 @@ class RouterSettings:
         "the order in which instances are tried: round-robin; least-loaded (decode: most "
         "free KV blocks, then fewest running sequences, from GetPoolStats every second; "
         "prefill: fewest prompt tokens this router has in flight there); or prefix-aware "
-        "(decode: the instance believed to hold the longest cached prefix of the prompt "
-        "first, then least-loaded; with --local-prefill-tokens, only the uncached part "
-        "counts against it)",
+        "(the decode and the prefill instance believed to hold the longest cached prefix of "
+        "the prompt first, then least-loaded; with --local-prefill-tokens, only the part "
+        "uncached on decode counts against it)",
+    )
+    prefix_cache_scope: str = setting(
+        "client",
+        "whose cached prompt prefixes a request may reuse, on decode and prefill: client (only "
+        "its own client's, the client being its API key, else its address; so no client can "
+        "tell from its time to first token what another sent), or shared (every client's: "
+        "more hits, for clients that trust one another)",
     )
     max_attempts: int = setting(
         3,
@@ -318,6 +326,11 @@ class RouterSettings:
             raise ValueError(
                 f"--routing-policy {self.routing_policy!r}: expected one of "
                 f"{', '.join(ROUTING_POLICIES)}"
+            )
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"--prefix-cache-scope {self.prefix_cache_scope!r}: expected one of "
+                f"{', '.join(PREFIX_CACHE_SCOPES)}"
             )
         if not self.prefill or not self.decode:
             raise ValueError(

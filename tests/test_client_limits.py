@@ -164,3 +164,32 @@ def served_as(stub, request, key: str) -> list[int] | None:
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise
         return None
+
+
+@pytest.mark.parametrize("scope", ["client", "shared"])
+def test_a_client_reuses_only_its_own_cached_prefixes_unless_the_scope_is_shared(
+    router_with, scope
+):
+    """With --prefix-cache-scope client (the default), bob's prompt does not find the prefix
+    that alice's left in either cache, so his time to first token cannot tell him what she
+    sent; with shared, it does. The tokens are the same either way."""
+    stack = router_with(
+        "--api-key", KEYS, "--routing-policy", "prefix-aware", "--prefix-cache-scope", scope
+    )
+    stub = stack.router_stub()
+    system = [(i * 31 + len(scope)) % 250 + 1 for i in range(120)]  # 7 full blocks, per scope
+
+    def ask(key: str, own: int):
+        request = greedy_request(system + [own] * 10, 6)
+        responses = list(stub.Generate(request, timeout=30, metadata=as_client(key)))
+        return [t for r in responses for t in r.token_ids], responses[-1].metrics
+
+    ask("key-of-alice", 1)
+    alice, again = ask("key-of-alice", 2)
+    assert again.prefix_cached_tokens >= 112 and again.prefill_cached_tokens >= 112
+    bob, other = ask("key-of-bob", 2)
+    assert bob == alice
+    if scope == "client":
+        assert other.prefix_cached_tokens == 0 and other.prefill_cached_tokens == 0
+    else:
+        assert other.prefix_cached_tokens >= 112 and other.prefill_cached_tokens >= 112

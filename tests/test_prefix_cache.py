@@ -42,6 +42,19 @@ def test_keys_name_the_whole_prefix_and_only_full_blocks():
     assert block_keys([9, 2, 3, 4, 5, 6, 7, 8], BS)[1] != a[1]  # same block, other parent
 
 
+def test_a_salt_keeps_prompts_apart():
+    tokens = list(range(1, 9))
+    assert block_keys(tokens, BS, b"alice") != block_keys(tokens, BS, b"bob")
+    assert set(block_keys(tokens, BS, b"alice")).isdisjoint(block_keys(tokens, BS))
+    pool = BlockPool(20, BS, prefix_cache=True)
+    table = pool.reserve(10, tokens, salt=b"alice")
+    table.ensure(10)
+    table.prompt_written = True
+    table.release()
+    assert pool.reserve(10, tokens + [9], reuse=True, salt=b"bob").cached_tokens == 0
+    assert pool.reserve(10, tokens + [9], reuse=True, salt=b"alice").cached_tokens == 8
+
+
 def test_a_finished_prompt_is_found_again_but_never_its_last_token():
     pool = BlockPool(20, BS, prefix_cache=True)
     prompt = list(range(1, 13))  # three full blocks

@@ -54,18 +54,21 @@ class BlockPool:
     def _room(self) -> int:
         return len(self._free) - self._promised + (self.cache.idle_blocks if self.cache else 0)
 
-    def reserve(self, tokens: int, prompt: Sequence[int] = (), reuse: bool = False) -> "BlockTable":
+    def reserve(
+        self, tokens: int, prompt: Sequence[int] = (), reuse: bool = False, salt: bytes = b""
+    ) -> "BlockTable":
         """A table with room for `tokens` tokens, or PoolExhausted. With a prefix cache,
         `prompt` names the blocks the table may leave cached when released, and `reuse` starts
         the table with the cached blocks of the prompt's longest cached prefix (never its last
-        token, whose logits give the first output token): `cached_tokens` says how many."""
+        token, whose logits give the first output token): `cached_tokens` says how many. Only
+        blocks cached under the same `salt` are found."""
         need = self.blocks_for(tokens)
         if need > self.num_blocks:
             raise NeverFits(
                 f"request larger than the KV pool: it needs {need} blocks ({tokens} tokens); "
                 f"the whole pool has {self.num_blocks}"
             )
-        keys = block_keys(prompt, self.block_size) if self.cache is not None else []
+        keys = block_keys(prompt, self.block_size, salt) if self.cache is not None else []
         with self._lock:
             shared = self._shared_prefix(keys, len(prompt)) if reuse else []
             new = need - len(shared)

@@ -45,11 +45,11 @@ class PrefixCachedPrefill:
         self.pool = BlockPool(blocks, block_size, prefix_cache=True)
         self.cache = PagedCache(config, blocks, block_size)
 
-    def reserve(self, prompt: tuple[int, ...]) -> BlockTable | None:
-        """Room for the prompt, starting with its longest cached prefix; None when the pool
-        cannot hold it beside the prompts already reserved."""
+    def reserve(self, prompt: tuple[int, ...], salt: bytes = b"") -> BlockTable | None:
+        """Room for the prompt, starting with its longest prefix cached under `salt`; None when
+        the pool cannot hold it beside the prompts already reserved."""
         try:
-            return self.pool.reserve(len(prompt), prompt, reuse=True)
+            return self.pool.reserve(len(prompt), prompt, reuse=True, salt=salt)
         except PoolExhausted:
             return None
 

@@ -159,7 +159,11 @@ class PrefillScheduler:
                 if job.cancelled:
                     self._waiting.popleft()
                     continue
-                job.table = self.prefix.reserve(job.spec.prompt_token_ids) if self.prefix else None
+                job.table = (
+                    self.prefix.reserve(job.spec.prompt_token_ids, job.spec.cache_salt)
+                    if self.prefix
+                    else None
+                )
                 cost = job.spec.prompt_len - job.cached_tokens
                 uncached = self.prefix is not None and job.table is None
                 if batch and (tokens + cost > self.max_batch_tokens or uncached):

@@ -18,10 +18,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The key of every full block of `tokens`, in order."""
+def block_keys(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """The key of every full block of `tokens`, in order. The salt starts the chain, so prompts
+    with different salts never share a key."""
     keys: list[bytes] = []
-    parent = b""
+    parent = salt
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start : start + block_size]
         digest = hashlib.blake2b(parent, digest_size=16)

@@ -7,6 +7,7 @@ from pdserve.core.config import ModelConfig
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 128
+MAX_CACHE_SALT_BYTES = 64
 
 
 class InvalidRequest(ValueError):
@@ -34,6 +35,9 @@ class GenerateSpec:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    # The prefix caches find a block again only for requests with the same salt (the router's
+    # --prefix-cache-scope client gives each client its own, so none can time another's).
+    cache_salt: bytes = b""
 
     @property
     def prompt_len(self) -> int:
@@ -61,6 +65,8 @@ def validate(spec: GenerateSpec, config: ModelConfig) -> GenerateSpec:
     _check_request_id(spec.request_id)
     _check_tokens(spec.prompt_token_ids, config)
     _check_sampling(spec.sampling)
+    if len(spec.cache_salt) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(f"cache_salt is longer than {MAX_CACHE_SALT_BYTES} bytes")
     if spec.max_total_tokens > config.max_context:
         raise InvalidRequest(
             f"prompt ({spec.prompt_len} tokens) plus max_tokens ({spec.sampling.max_tokens}) is "

@@ -96,7 +96,9 @@ class LeaseTable:
             )
         # With a prefix cache, the table starts with the prompt's longest cached prefix (its KV
         # is not sent again), and its blocks may stay cached once the KV is in.
-        table = self.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids, reuse=True)
+        table = self.pool.reserve(
+            spec.max_total_tokens, spec.prompt_token_ids, reuse=True, salt=spec.cache_salt
+        )
         now = time.monotonic()
         lease = Lease(
             secrets.token_hex(16),

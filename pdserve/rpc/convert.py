@@ -59,8 +59,10 @@ def spec_from_generate(request: pb.GenerateRequest, tokenizer: Tokenizer) -> Gen
     )
 
 
-def spec_from_internal(request_id: str, token_ids, sampling: pb.SamplingParams) -> GenerateSpec:
-    return GenerateSpec(request_id, tuple(token_ids), sampling_from_pb(sampling))
+def spec_from_internal(
+    request_id: str, token_ids, sampling: pb.SamplingParams, cache_salt: bytes = b""
+) -> GenerateSpec:
+    return GenerateSpec(request_id, tuple(token_ids), sampling_from_pb(sampling), cache_salt)
 
 
 def model_info_to_pb(served: ServedModel) -> pb.ModelInfo:

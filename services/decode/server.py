@@ -62,7 +62,7 @@ class DecodeServicer:
         check_same_model(self.served, request.model_fingerprint, "the lease request")
         spec = validate(
             convert.spec_from_internal(
-                request.request_id, request.prompt_token_ids, request.sampling
+                request.request_id, request.prompt_token_ids, request.sampling, request.cache_salt
             ),
             self.config,
         )
@@ -115,7 +115,9 @@ class DecodeServicer:
         router's reservation line handles PoolExhausted as for a lease), the answer says so
         with a LeaseGranted that has no lease id, and the tokens follow."""
         events, sink = emission_queue()
-        table = self.engine.pool.reserve(spec.max_total_tokens, spec.prompt_token_ids, reuse=True)
+        table = self.engine.pool.reserve(
+            spec.max_total_tokens, spec.prompt_token_ids, reuse=True, salt=spec.cache_salt
+        )
         self._looked_up(spec, table)
         handle = Handle(spec, table, sink)
         try:

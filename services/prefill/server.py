@@ -121,7 +121,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         check_same_model(self.served, request.model_fingerprint, "the prefill request")
         spec = validate(
             convert.spec_from_internal(
-                request.request_id, request.prompt_token_ids, request.sampling
+                request.request_id, request.prompt_token_ids, request.sampling, request.cache_salt
             ),
             self.config,
         )

@@ -25,8 +25,8 @@ class PrefixIndex:
         self.block_size = block_size
         self._holders.clear()
 
-    def keys(self, prompt: tuple[int, ...]) -> list[bytes]:
-        return block_keys(prompt, self.block_size)
+    def keys(self, prompt: tuple[int, ...], salt: bytes = b"") -> list[bytes]:
+        return block_keys(prompt, self.block_size, salt)
 
     def record(self, keys: list[bytes], instance: str) -> None:
         for key in keys:

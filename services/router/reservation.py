@@ -153,6 +153,7 @@ class ReservationLine:
                 sampling=convert.sampling_to_pb(spec.sampling),
                 model_fingerprint=self._decodes.model_fingerprint,
                 prefill_here=prefill_here,
+                cache_salt=spec.cache_salt,
             ),
             timeout=inflight.remaining(),
         )

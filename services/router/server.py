@@ -13,6 +13,7 @@ deadline bounds every outbound call; a client that leaves cancels both.
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from typing import AsyncGenerator, Callable
@@ -125,7 +126,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         with self.admission.track():
             inflight = None
             try:
-                inflight = self._inflight(make_spec, time_remaining)
+                inflight = self._inflight(make_spec, time_remaining, self._cache_salt(client))
                 with self.clients.admitted(client, inflight.spec.prompt_len) as spend:
                     async for response in self._with_retries(inflight):
                         spend(len(response.token_ids))
@@ -136,12 +137,19 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 metrics.record_request("router", exc.code.name)
                 raise RouterError(exc.code, public_message(str(exc))) from None
 
+    def _cache_salt(self, client: str) -> bytes:
+        """With --prefix-cache-scope client, a digest of who the client is, so that its prompts
+        find only its own cached prefixes; else none, and every client's are shared."""
+        if self.settings.prefix_cache_scope == "shared":
+            return b""
+        return hashlib.blake2b(client.encode(), digest_size=16).digest()
+
     def _inflight(
-        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None
+        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None, salt: bytes
     ) -> Inflight:
         received = time.perf_counter()
         try:
-            spec = validate(make_spec(), self.config)
+            spec = dataclasses.replace(validate(make_spec(), self.config), cache_salt=salt)
         except InvalidRequest as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         budget = min(time_remaining or float("inf"), self.settings.request_timeout_seconds)
@@ -150,7 +158,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     def _routed(self, inflight: Inflight) -> Inflight:
         """With prefix-aware routing, the prompt's block keys, computed once per request."""
         if self.settings.routing_policy == "prefix-aware":
-            inflight.prefix_keys = self.prefix_index.keys(inflight.spec.prompt_token_ids)
+            spec = inflight.spec
+            inflight.prefix_keys = self.prefix_index.keys(spec.prompt_token_ids, spec.cache_salt)
         return inflight
 
     @property
@@ -325,6 +334,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     model_fingerprint=self.served.fingerprint,
                     data_endpoints=reservation.lease.data_endpoints,
                     cached_tokens=reservation.lease.cached_tokens,
+                    cache_salt=spec.cache_salt,
                 ),
                 timeout=inflight.remaining(),
             )
