@@ -277,3 +277,20 @@ def test_a_lease_takes_no_kv_for_what_the_cache_holds(tmp_path):
             assert stats.free_blocks == stats.total_blocks and stats.cached_blocks >= 3
     finally:
         service.stop()
+
+
+def test_a_cache_salt_over_64_bytes_is_refused(decode):
+    call = decode.Decode(
+        pb.DecodeRequest(
+            request_id="salty",
+            prompt_token_ids=PROMPT,
+            sampling=pb.SamplingParams(max_tokens=2),
+            model_fingerprint=MODEL,
+            cache_salt=b"x" * 65,
+        ),
+        timeout=30,
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        next(call)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt is longer than 64 bytes" in err.value.details()

@@ -315,6 +315,14 @@ async def serve(served: ServedModel, settings: PrefillSettings) -> None:
         "prefill", settings.common.host, server.port
     )
     servicer = PrefillServicer(served, settings, instance)
+    if servicer.prefix is not None:
+        tokens = servicer.prefix.pool.num_blocks * PREFILL_BLOCK_TOKENS
+        log.info(
+            "prefix cache: %d tokens of KV (%.0f MiB), in blocks of %d",
+            tokens,
+            tokens * served.config.kv_bytes_per_token / (1 << 20),
+            PREFILL_BLOCK_TOKENS,
+        )
     metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server.grpc)
