@@ -263,7 +263,7 @@ def test_a_lease_takes_no_kv_for_what_the_cache_holds(tmp_path):
             call, lease = reserve(stub, max_tokens=2)
             assert lease.cached_tokens == 0
             push(stub, kv_pushes(lease.lease_id))
-            list(call)  # decodes and ends: PROMPT's full blocks stay cached
+            list(call)  # decodes and ends: PROMPT's full blocks are cached before its last token
             call, lease = reserve(stub, max_tokens=2)
             assert lease.cached_tokens == 48
             err = push_error(stub, kv_pushes(lease.lease_id))

@@ -3,7 +3,8 @@
 Life cycle in a decode pool:  joining -> running -> finished | aborted.
 A sequence enters with its prompt's KV already in its block table and the first token (sampled by
 prefill); every step appends one token. Its blocks go back to the pool when it leaves, however it
-leaves; the engine thread does that, never a gRPC thread, since a step may be writing to them.
+leaves (a finished one's before its last emission); the engine thread does that, never a gRPC
+thread, since a step may be writing to them.
 """
 
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ class Sequence:
         self.finish_reason = self._finish_reason(token_id)
         if self.finish_reason is not None and self.finish_reason is not FinishReason.STOP:
             text += self._text.finish()
+        if self.finish_reason is not None:
+            # Before the last emission, so that a request sent as soon as this one ends finds
+            # the room free and the prompt's blocks in the prefix cache. (This is the engine
+            # thread, and the step that read these blocks is over.)
+            self.table.release()
         self.sink(Emission((token_id,), text, self.finish_reason))
 
     def fail(self, message: str) -> None:
