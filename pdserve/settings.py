@@ -270,8 +270,9 @@ class RouterSettings:
         "free KV blocks, then fewest running sequences, from GetPoolStats every second; "
         "prefill: fewest prompt tokens this router has in flight there); or prefix-aware "
         "(the decode and the prefill instance believed to hold the longest cached prefix of "
-        "the prompt first, then least-loaded; with --local-prefill-tokens, only the part "
-        "uncached on decode counts against it)",
+        "the prompt first, unless it is busier than another by more than the prefix saves; "
+        "then least-loaded; with --local-prefill-tokens, only the part uncached on decode "
+        "counts against it)",
     )
     prefix_cache_scope: str = setting(
         "client",

@@ -18,7 +18,7 @@ from procs import (
 )
 from pdserve.core.block_pool import BlockPool, PoolExhausted
 from pdserve.core.prefix_cache import block_keys
-from pdserve.services.router.policy import PrefixAware
+from pdserve.services.router.policy import DECODE_BALANCE_STREAMS, PrefixAware
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.v1 import pdserve_pb2 as pb
 
@@ -147,6 +147,7 @@ class Fake:
     free_blocks: int = 100
     running: int = 0
     queued_tokens: int = 0
+    streams: int = 0
 
 
 @dataclass
@@ -166,10 +167,25 @@ def test_prefix_aware_puts_the_holder_of_the_longest_prefix_first():
     assert index.cached_tokens(request.prefix_keys, "b") == 12
     assert policy.order([roomy_a, b, c], request, {"b"})[-1].address == "b"  # b just failed
     assert policy.order([roomy_a, b, c], Request([]), ())[0].address == "a"  # least-loaded
-    idle_a, busy_b = Fake("a"), Fake("b", queued_tokens=5000)
-    prefill = PrefixAware("prefill", index)  # the prefix outweighs prefill's queue too
-    assert [i.address for i in prefill.order([idle_a, busy_b], request, ())] == ["b", "a"]
-    assert prefill.order([idle_a, busy_b], Request([]), ())[0].address == "a"
+
+
+def test_prefix_aware_weighs_the_prefix_against_load():
+    """Prefill: the holder of a 12-token prefix wins while its queue is at most 12 tokens
+    longer (it computes that much less). Decode: the holder wins until it has more than
+    DECODE_BALANCE_STREAMS streams beyond the least busy instance."""
+    index = PrefixIndex(BS)
+    system = list(range(1, 13))
+    index.record(index.keys(tuple(system)), "b")
+    request = Request(index.keys(tuple(system + [50, 51])))
+    prefill = PrefixAware("prefill", index)
+    for b_queue, first in [(0, "b"), (10, "b"), (13, "a"), (5000, "a")]:
+        order = prefill.order([Fake("a"), Fake("b", queued_tokens=b_queue)], request, ())
+        assert order[0].address == first, b_queue
+    decode = PrefixAware("decode", index)
+    limit = DECODE_BALANCE_STREAMS
+    for b_streams, first in [(0, "b"), (limit, "b"), (limit + 1, "a")]:
+        order = decode.order([Fake("a", streams=1), Fake("b", streams=1 + b_streams)], request, ())
+        assert order[0].address == first, b_streams
 
 
 SYSTEM = [(i * 13) % 250 + 1 for i in range(200)]  # a 200-token system prompt

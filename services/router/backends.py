@@ -45,6 +45,7 @@ class Instance(Generic[StubT]):
     free_blocks: int = 0
     running: int = 0
     queued_tokens: int = 0
+    streams: int = 0  # decode: requests this router holds a reservation there for, now
     block_size: int = 0  # decode's KV block size, as last reported
     prefix_cache: bool = False  # decode keeps a prefix cache, as last reported
 

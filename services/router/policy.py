@@ -15,11 +15,19 @@ from typing import Protocol
 from pdserve.services.router.prefix_index import PrefixIndex
 
 
+# How many more streams than the least busy decode a prefix holder may have and still be
+# preferred: a few streams more cost each of them a little per step, while a decode without the
+# prefix needs it handed off or computed again. Past this, load wins, and the other instance
+# soon holds the prefix too.
+DECODE_BALANCE_STREAMS = 8
+
+
 class Loaded(Protocol):
     address: str
     free_blocks: int  # decode: blocks free in its pool, as last reported
     running: int  # decode: sequences it is decoding, as last reported
     queued_tokens: int  # prefill: prompt tokens sent by this router, not yet answered
+    streams: int  # decode: requests this router has reserved room for there, not yet ended
 
 
 class Routed(Protocol):
@@ -63,19 +71,33 @@ class LeastLoaded:
 
 
 class PrefixAware:
-    """The instance believed to hold the longest prefix of the prompt first, then by
-    least-loaded's order; so requests sharing a system prompt meet their cached KV: on decode,
-    which then needs only the rest handed off, and on prefill, which then computes only the
-    rest."""
+    """Instances believed to hold a long prefix of the prompt first, so that requests sharing a
+    system prompt meet their cached KV, but not at any load: otherwise the first instance to hold
+    a popular prefix would get every request that shares it.
+
+    Prefill: fewest tokens to compute before this prompt's first token, its queue plus the
+    prompt's part it does not hold; a holder wins unless its queue is longer than another's by
+    more than the prefix it saves. Decode: the holder of the longest prefix first, unless it has
+    more than DECODE_BALANCE_STREAMS streams beyond the least busy instance; within that,
+    least-loaded's order. SGLang's cache-aware router balances the same way, with thresholds."""
 
     def __init__(self, role: str, index: PrefixIndex) -> None:
-        self._index, self._fallback = index, LeastLoaded(role)
+        self._role, self._index, self._fallback = role, index, LeastLoaded(role)
 
     def order(self, instances: list, request: Routed | None, avoid: Collection[str]) -> list:
         ordered = self._fallback.order(instances, request, ())
-        if request is not None and request.prefix_keys:
+        if request is not None and request.prefix_keys and ordered:
             keys = request.prefix_keys
-            ordered.sort(key=lambda i: -self._index.cached_tokens(keys, i.address))
+            cached = {i.address: self._index.cached_tokens(keys, i.address) for i in ordered}
+            if self._role == "prefill":
+                ordered.sort(key=lambda i: i.queued_tokens - cached[i.address])
+            else:
+                least = min(i.streams for i in ordered)
+                ordered.sort(
+                    key=lambda i: (
+                        0 if i.streams - least > DECODE_BALANCE_STREAMS else -cached[i.address]
+                    )
+                )
         return _avoided_last(ordered, avoid)
 
 

@@ -196,4 +196,10 @@ class ReservationLine:
         if event is grpc.aio.EOF or not event.HasField("lease"):
             call.cancel()
             return None
+        decode.streams += 1  # load for prefix-aware routing, counted until the call ends
+
+        def ended(_call) -> None:
+            decode.streams -= 1
+
+        call.add_done_callback(ended)
         return Reservation(call, event.lease, decode)
