@@ -74,7 +74,12 @@ E2E_SECONDS = Histogram(
 REQUESTS = Counter(
     "pdserve_requests_total", "Requests by outcome and gRPC status", ["service", "outcome", "code"]
 )
-TOKENS = Counter("pdserve_tokens_total", "Tokens processed", ["service", "kind"])
+TOKENS = Counter(
+    "pdserve_tokens_total",
+    "Tokens processed: prompt (on prefill, those computed: a prefix-cache hit is counted in "
+    "pdserve_prefix_cache_hit_tokens_total instead) and generated",
+    ["service", "kind"],
+)
 KV_TRANSFERS = Counter(
     "pdserve_kv_transfers_total",
     "Committed KV handoffs by the transport that carried them (tcp, grpc, inproc)",

@@ -22,7 +22,8 @@ ENV_PREFIX = "PDSERVE_"
 DEFAULT_PORTS = {"router": 50051, "prefill": 50052, "decode": 50053, "colocated": 50051}
 DTYPES = ("", "bfloat16", "float16", "float32")
 # Prefill's prefix cache cuts prompts into blocks of this many tokens, decode's default
-# --block-size, so both caches find the same prefixes.
+# --block-size, so that by default both caches find the same prefixes (the router's index of
+# what prefill holds uses decode's block size).
 PREFILL_BLOCK_TOKENS = 16
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _BOOLS = {

@@ -17,6 +17,7 @@ import pytest
 from procs import Stack, free_port, generate, greedy_request, start_router, start_service
 from procs import wait_until
 from pdserve.rpc.tls import aio_client_channel
+from pdserve.services.router.clients import ApiKeys
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 KEYS = "key-of-alice,key-of-bob"
@@ -193,3 +194,15 @@ def test_a_client_reuses_only_its_own_cached_prefixes_unless_the_scope_is_shared
         assert other.prefix_cached_tokens == 0 and other.prefill_cached_tokens == 0
     else:
         assert other.prefix_cached_tokens >= 112 and other.prefill_cached_tokens >= 112
+
+
+def test_a_keys_cache_salt_follows_the_key_not_its_place_in_the_list():
+    """Reordering --api-key renames the keys ('key #i') but must not hand one client's cached
+    prefixes to another: the salt comes from the key itself."""
+    before, after = ApiKeys("key-of-alice,key-of-bob"), ApiKeys("key-of-bob,key-of-alice")
+    alice_before = before.cache_salt(before.client_of("Bearer key-of-alice") or "")
+    alice_after = after.cache_salt(after.client_of("Bearer key-of-alice") or "")
+    bob_after = after.cache_salt(after.client_of("Bearer key-of-bob") or "")
+    assert alice_before == alice_after != bob_after
+    assert ApiKeys("").cache_salt("10.0.0.1") != ApiKeys("").cache_salt("10.0.0.2")
+    assert len(alice_before) == 16

@@ -169,3 +169,26 @@ def test_a_job_cancelled_during_the_pass_hands_out_nothing_more():
     run(scheduler, staying, leaving)
     assert out.kv == {} and sorted(staying_out.kv) == list(range(CONFIG.n_layers))
     assert prefix.pool.available_blocks == prefix.pool.num_blocks
+
+
+def test_a_failure_while_scheduling_puts_the_jobs_back_and_holds_no_blocks():
+    scheduler, _, prefix = cached_scheduler()
+    pairs = [job(SYSTEM + [i]) for i in range(3)]
+    for j, _ in pairs:
+        scheduler.add(j)
+    reserve, calls = prefix.reserve, []
+
+    def fails_on_the_third(prompt, salt=b""):
+        calls.append(prompt)
+        if len(calls) == 3:
+            raise RuntimeError("bug in the pool")
+        return reserve(prompt, salt)
+
+    prefix.reserve = fails_on_the_third  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        scheduler.step()
+    assert scheduler.queue_depth == 3 and all(j.table is None for j, _ in pairs)
+    assert prefix.pool.available_blocks == prefix.pool.num_blocks
+    prefix.reserve = reserve  # type: ignore[method-assign]
+    run(scheduler)
+    assert all(out.first is not None for _, out in pairs)

@@ -56,6 +56,16 @@ class PrefixCachedPrefill:
     def run(self, prompts: list[CachedPrompt]) -> torch.Tensor:
         """Computes every prompt after its cached prefix, in one pass; float32 logits of each
         prompt's last position. The tables are released, their full blocks left cached."""
+        try:
+            logits = self._forward(prompts)
+            for p in prompts:
+                p.table.prompt_written = True
+        finally:
+            for p in prompts:  # unwritten KV (a failed pass) is never cached
+                p.table.release()
+        return logits
+
+    def _forward(self, prompts: list[CachedPrompt]) -> torch.Tensor:
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -65,18 +75,11 @@ class PrefixCachedPrefill:
             positions += range(p.start, len(p.prompt))
             rows.append(len(tokens) - 1)
         chunks = [PromptChunk(p.table, p.start, len(p.prompt)) for p in prompts]
-        view = _HandingOut(self.cache.step_view([], [], chunks), self.cache, prompts)
-        try:
-            logits = self.model.decode_paged(tokens, positions, view, rows)
-            for p in prompts:
-                p.table.prompt_written = True
-        finally:
-            for p in prompts:  # unwritten KV (a failed pass) is never cached
-                p.table.release()
-        return logits
+        view = _ForwardingView(self.cache.step_view([], [], chunks), self.cache, prompts)
+        return self.model.decode_paged(tokens, positions, view, rows)
 
 
-class _HandingOut:
+class _ForwardingView:
     """The pool's view for one prefill pass (pdserve.models.protocol.PagedKv) that also hands each
     prompt's K and V to its callback, layer by layer, before attending."""
 

@@ -135,13 +135,13 @@ class PrefillScheduler:
         """The last position's logits of each prompt: from their cached prefixes when they have
         room in the prefix cache (all do, or a lone one that never fits there), else whole."""
         if self.prefix is not None and batch[0].table is not None:
-            return self.prefix.run(
-                [
+            prompts = []
+            for j in batch:
+                assert j.table is not None, "schedule() gives every job of a cached batch a table"
+                prompts.append(
                     CachedPrompt(j.spec.prompt_token_ids, j.table, j.send_from, j.hand_out)
-                    for j in batch
-                    if j.table is not None
-                ]
-            )
+                )
+            return self.prefix.run(prompts)
         return self.model.prefill_packed(
             [list(j.spec.prompt_token_ids) for j in batch], self._fan_out(batch)
         )
@@ -152,30 +152,42 @@ class PrefillScheduler:
         nothing against the budget; a job the pool cannot hold waits for the next batch, unless
         it is the first, which then runs alone without the cache."""
         batch: list[PrefillJob] = []
-        tokens = 0
         with self._lock:
-            while self._waiting and len(batch) < self.max_batch_size:
-                job = self._waiting[0]
-                if job.cancelled:
-                    self._waiting.popleft()
-                    continue
-                job.table = (
-                    self.prefix.reserve(job.spec.prompt_token_ids, job.spec.cache_salt)
-                    if self.prefix
-                    else None
-                )
-                cost = job.spec.prompt_len - job.cached_tokens
-                uncached = self.prefix is not None and job.table is None
-                if batch and (tokens + cost > self.max_batch_tokens or uncached):
+            try:
+                self._fill(batch)
+            except BaseException:  # a bug in the pool: put the jobs back rather than lose them
+                for job in reversed(batch):
                     if job.table is not None:
                         job.table.release()
                         job.table = None
-                    break
-                batch.append(self._waiting.popleft())
-                tokens += cost
-                if uncached:
-                    break
+                    self._waiting.appendleft(job)
+                raise
         return batch
+
+    def _fill(self, batch: list[PrefillJob]) -> None:
+        """schedule()'s loop, under its lock: moves jobs from the queue into `batch`."""
+        tokens = 0
+        while self._waiting and len(batch) < self.max_batch_size:
+            job = self._waiting[0]
+            if job.cancelled:
+                self._waiting.popleft()
+                continue
+            job.table = (
+                self.prefix.reserve(job.spec.prompt_token_ids, job.spec.cache_salt)
+                if self.prefix
+                else None
+            )
+            cost = job.spec.prompt_len - job.cached_tokens
+            uncached = self.prefix is not None and job.table is None
+            if batch and (tokens + cost > self.max_batch_tokens or uncached):
+                if job.table is not None:  # it waits for the next batch, holding nothing
+                    job.table.release()
+                    job.table = None
+                return
+            batch.append(self._waiting.popleft())
+            tokens += cost
+            if uncached:  # alone, whole: the pool cannot hold it even empty
+                return
 
     @staticmethod
     def _fan_out(batch: list[PrefillJob]) -> Callable[[int, torch.Tensor, torch.Tensor], None]:

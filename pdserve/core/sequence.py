@@ -72,8 +72,9 @@ class Sequence:
             text += self._text.finish()
         if self.finish_reason is not None:
             # Before the last emission, so that a request sent as soon as this one ends finds
-            # the room free and the prompt's blocks in the prefix cache. (This is the engine
-            # thread, and the step that read these blocks is over.)
+            # the room free and the prompt's blocks in the prefix cache. Safe: no step reads
+            # these blocks any more (the engine thread, after its step; or the commit's thread,
+            # for a sequence that ends at its first token, before it ever joins a step).
             self.table.release()
         self.sink(Emission((token_id,), text, self.finish_reason))
 

@@ -13,6 +13,7 @@ router's queue or its decode capacity from the others:
 
 import contextlib
 import functools
+import hashlib
 import hmac
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +33,14 @@ class ApiKeys:
     """The keys of `--api-key` ("" for none), compared in constant time."""
 
     def __init__(self, raw: str) -> None:
-        self._bearers = [f"Bearer {k.strip()}".encode() for k in raw.split(",") if k.strip()]
+        keys = [k.strip() for k in raw.split(",") if k.strip()]
+        self._bearers = [f"Bearer {k}".encode() for k in keys]
+        # Each key's prefix-cache salt comes from the key itself: it follows the key wherever
+        # the key sits in the list, and no one without the key can compute it.
+        self._salts = {
+            f"key #{i}": hashlib.blake2b(k.encode(), digest_size=16, person=b"pdserve-key").digest()
+            for i, k in enumerate(keys, start=1)
+        }
 
     @property
     def required(self) -> bool:
@@ -47,6 +55,14 @@ class ApiKeys:
             if hmac.compare_digest(given, bearer) and found is None:
                 found = f"key #{i}"
         return found
+
+    def cache_salt(self, client: str) -> bytes:
+        """The prefix-cache salt of a client (services/router/server.py): its key's, or, for a
+        client known by its address, a digest of the address."""
+        salt = self._salts.get(client)
+        if salt is None:
+            salt = hashlib.blake2b(client.encode(), digest_size=16, person=b"pdserve-addr").digest()
+        return salt
 
 
 def grpc_peer_host(peer: str) -> str:

@@ -13,7 +13,6 @@ deadline bounds every outbound call; a client that leaves cancels both.
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import time
 from typing import AsyncGenerator, Callable
@@ -138,11 +137,12 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 raise RouterError(exc.code, public_message(str(exc))) from None
 
     def _cache_salt(self, client: str) -> bytes:
-        """With --prefix-cache-scope client, a digest of who the client is, so that its prompts
-        find only its own cached prefixes; else none, and every client's are shared."""
+        """With --prefix-cache-scope client, the client's own salt (from its API key, else its
+        address), so that its prompts find only its own cached prefixes; else none, and every
+        client's are shared."""
         if self.settings.prefix_cache_scope == "shared":
             return b""
-        return hashlib.blake2b(client.encode(), digest_size=16).digest()
+        return self.api_keys.cache_salt(client)
 
     def _inflight(
         self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None, salt: bytes
