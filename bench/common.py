@@ -2,8 +2,16 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+from collections.abc import Iterable
+
+
+def spread(values: Iterable[float]) -> dict:
+    """The median of repeated runs, with the min-max spread a difference must exceed."""
+    xs = list(values)
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def pdserve_bench(flags: list[str], tmp: str, name: str = "run", env=None) -> dict:

@@ -12,12 +12,11 @@ and the HTTP/gRPC ratio of the medians.
 import argparse
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 
-from common import pdserve_bench, write_results  # bench/ is the script's directory
+from common import pdserve_bench, spread, write_results  # bench/ is the script's directory
 from pdserve.client import check_health
 from pdserve.localstack import free_port, wait_until
 
@@ -84,7 +83,7 @@ def main() -> None:
         stats = {}
         for front, runs in summaries.items():
             xs = [r[key][q] * 1e3 for r in runs]
-            stats[front] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+            stats[front] = spread(xs)
         rows.append(
             {
                 "metric": label,

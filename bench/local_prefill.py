@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import drive_schedule  # noqa: E402
+from common import drive_schedule, spread  # noqa: E402
 from interconnect import (  # noqa: E402
     ADDR_B,
     RATES,
@@ -158,10 +158,7 @@ def summarize(result: dict) -> dict:
             ],
             "prefilled_on_decode": [sum(x["path"] == "decode" for x in rows) for rows in mine],
         }
-        out[name] = {
-            key: {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
-            for key, v in per_round.items()
-        }
+        out[name] = {key: {**spread(v), "runs": v} for key, v in per_round.items()}
     return out
 
 

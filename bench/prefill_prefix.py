@@ -19,13 +19,12 @@ hit/plain-hit.
 
 import argparse
 import random
-import statistics
 import sys
 import time
 
 import torch
 
-from common import write_results  # bench/ is the script's directory
+from common import spread, write_results  # bench/ is the script's directory
 from pdserve.core.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.models.loading import load_served_model
 
@@ -81,20 +80,12 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             ways[way](prompts)
             seconds[way].append(time.perf_counter() - start)
-    summary = {
-        way: {"median": statistics.median(s), "min": min(s), "max": max(s)}
-        for way, s in seconds.items()
-    }
+    summary = {way: spread(s) for way, s in seconds.items()}
     ratios = {
         "miss/plain": [m / p for m, p in zip(seconds["cache, miss"], seconds["plain"])],
         "hit/plain-hit": [h / p for h, p in zip(seconds["cache, hit"], seconds["plain, hit"])],
     }
-    summary.update(
-        {
-            k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-            for k, v in ratios.items()
-        }
-    )
+    summary.update({k: spread(v) for k, v in ratios.items()})
     for name, figs in summary.items():
         print(f"{name}: {figs['median']:.4g} ({figs['min']:.4g}-{figs['max']:.4g})")
     if args.json:

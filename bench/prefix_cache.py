@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 
-from common import drive_schedule, write_results  # bench/ is the script's directory
+from common import drive_schedule, spread, write_results  # bench/ is the script's directory
 from pdserve.core.config import ModelConfig
 from pdserve.loadtest.stats import percentile
 from pdserve.localstack import start_router, start_service
@@ -117,11 +117,7 @@ def summarize(rounds: list[dict], configs: list[str]) -> dict:
     for name in configs:
         mine = [r for r in rounds if r["config"] == name]
         out[name] = {
-            key: {
-                "median": statistics.median(r[key] for r in mine),
-                "min": min(r[key] for r in mine),
-                "max": max(r[key] for r in mine),
-            }
+            key: spread(r[key] for r in mine)
             for key in (
                 "ttft_p50_ms",
                 "ttft_p99_ms",

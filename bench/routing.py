@@ -11,10 +11,9 @@ medians over the rounds with min-max.
 
 import argparse
 import json
-import statistics
 import tempfile
 
-from common import pdserve_bench, write_results  # bench/ is the script's directory
+from common import pdserve_bench, spread, write_results  # bench/ is the script's directory
 from pdserve.localstack import start_router, start_service
 from pdserve.settings import ROUTING_POLICIES
 
@@ -71,7 +70,7 @@ def main() -> None:
         summary[policy] = {}
         for key in ("ttft_p50_ms", "ttft_p99_ms", "refused", "ok"):
             xs = [r[key] for r in results if r[key] is not None]
-            summary[policy][key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+            summary[policy][key] = spread(xs)
     print(json.dumps(summary, indent=1))
     if args.json:
         conditions = {

@@ -17,10 +17,9 @@ second instance adds a process, not a core: read the ratios with that in mind.
 """
 
 import argparse
-import statistics
 import tempfile
 
-from common import pdserve_bench, write_results  # bench/ is the script's directory
+from common import pdserve_bench, spread, write_results  # bench/ is the script's directory
 from pdserve.localstack import start_router, start_service
 
 CONFIGS = {"1P1D": (1, 1), "2P1D": (2, 1), "1P2D": (1, 2), "2P2D": (2, 2)}
@@ -75,11 +74,7 @@ def main() -> None:
         for config in CONFIGS:
             mine = [x for x in runs if x["workload"] == workload and x["config"] == config]
             summary.setdefault(workload, {})[config] = {
-                key: {
-                    "median": statistics.median(x[key] for x in mine),
-                    "min": min(x[key] for x in mine),
-                    "max": max(x[key] for x in mine),
-                }
+                key: spread(x[key] for x in mine)
                 for key in ("throughput_rps", "goodput_rps", "ttft_p50_ms", "tpot_p50_ms")
             }
     for workload, by_config in summary.items():

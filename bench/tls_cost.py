@@ -12,13 +12,12 @@ rounds, with the min-max spread.
 
 import argparse
 import os
-import statistics
 import tempfile
 from pathlib import Path
 
 from chapter import chapter_summary, value  # bench/ is the script's directory
 from pdserve.certs import make_dev_certs, service_flags
-from common import write_results  # bench/ is the script's directory
+from common import spread, write_results  # bench/ is the script's directory
 from pdserve.localstack import start_router, start_service
 
 METRICS = [
@@ -66,7 +65,7 @@ def main() -> None:
         stats = {}
         for kind, summaries in runs.items():
             xs = [value(s, path) * scale for s in summaries]
-            stats[kind] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+            stats[kind] = spread(xs)
         p, t = stats["plaintext"], stats["mtls"]
         overlap = p["min"] <= t["max"] and t["min"] <= p["max"]
         rows.append(

@@ -90,6 +90,3 @@ class PrefixCache:
             del self._key_of[block]
             freed.append(block)
         return freed
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._key_of
