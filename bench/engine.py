@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.paged_cache import PagedCache
+from pdserve.engine.paged_cache import PagedCache
 from pdserve.models.loading import load_served_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

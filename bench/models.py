@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.decode_scheduler import DecodeScheduler
-from pdserve.core.paged_cache import PagedCache
+from pdserve.engine.decode_scheduler import DecodeScheduler
+from pdserve.engine.paged_cache import PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
-from pdserve.core.sampling import sample
+from pdserve.engine.sampling import sample
 from pdserve.models.decoder import parameter_count
 from pdserve.models.loading import ServedModel, load_served_model
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from common import spread, write_results  # bench/ is the script's directory
-from pdserve.core.prefill_prefix import CachedPrompt, PrefixCachedPrefill
+from pdserve.engine.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.models.loading import load_served_model
 
 BLOCK_TOKENS = 16

@@ -31,7 +31,7 @@ import torch
 from pdserve.loadtest.report import cpu_conditions
 from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import ModelConfig
-from pdserve.core.paged_cache import TORCH_DTYPES, PagedCache
+from pdserve.engine.paged_cache import TORCH_DTYPES, PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.faults import Faults
 from pdserve.kv.grpc_transport import GrpcKvSink, serve_push_kv_only

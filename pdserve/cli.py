@@ -50,7 +50,9 @@ def _serve(args) -> int:
     from pdserve.models.loading import load_served_model
 
     # The router only tokenizes and checks model identity, so it needs no weights.
-    model = load_served_model(common.model, common.dtype, weights=(args.role != "router"))
+    model = load_served_model(
+        common.model, common.dtype, weights=(args.role != "router"), weight_format=common.weights
+    )
     service = importlib.import_module(f"pdserve.services.{args.role}.server")
     asyncio.run(service.serve(model, settings))
     return 0

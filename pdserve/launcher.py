@@ -5,6 +5,7 @@ grace period is killed.
 """
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ READY_TIMEOUT_SECONDS = 120.0
 
 
 # Settings `pdserve up` hands on to every service it starts; their flags come from pdserve.settings.
-SHARED_SETTINGS = ("model", "dtype")
+SHARED_SETTINGS = ("model", "dtype", "weights")
 ROLES = ("prefill", "decode", "router")
 
 
@@ -49,7 +50,10 @@ def add_up(sub) -> None:
     add_flags(p, RouterSettings, only=("http_port",))
     g = p.add_argument_group(
         "placement",
-        "which CPUs each service runs on (Linux CPU lists, e.g. 0 or 0-1,3; empty for all)",
+        "which CPUs each service runs on (Linux CPU lists, e.g. 0 or 0-1,3). By default prefill "
+        "and decode get their own halves of the CPUs this command may use (decode the larger), "
+        "and the router shares prefill's: a long prompt then never takes a core from the "
+        "streams decoding. A flag given here replaces its role's default",
     )
     for role in ROLES:
         g.add_argument(f"--{role}-cpus", default="", help=f"CPUs of the {role} service")
@@ -58,8 +62,7 @@ def add_up(sub) -> None:
         type=int,
         default=0,
         help="torch threads for prefill and for decode each; 0 (default): one per CPU "
-        "of the service's --*-cpus, or 1 where none are given, since prefill and "
-        "decode then share the cores",
+        "the service runs on",
     )
     p.add_argument(
         "--metrics-base-port",
@@ -97,8 +100,7 @@ def stack_commands(
 
     def placed(role: str) -> list[str]:
         where = ["--cpus", cpus[role]] if cpus.get(role) else []
-        threads = torch_threads or (0 if cpus.get(role) else 1)
-        return where + (["--torch-threads", str(threads)] if role != "router" else [])
+        return where + (["--torch-threads", str(torch_threads)] if role != "router" else [])
 
     def metrics(offset: int) -> list[str]:
         return ["--metrics-port", str(metrics_base_port + offset)] if metrics_base_port else []
@@ -134,6 +136,24 @@ def stack_commands(
     }
 
 
+def default_placement(cpus: set[int]) -> dict[str, str]:
+    """Prefill on the lower half of `cpus`, decode on the rest, the router beside prefill; on a
+    single CPU all three share it."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        return {role: ",".join(map(str, ordered)) for role in ROLES}
+    half = len(ordered) // 2
+    prefill, decode = ordered[:half], ordered[half:]
+    listed = {"prefill": prefill, "decode": decode, "router": prefill}
+    return {role: ",".join(map(str, on)) for role, on in listed.items()}
+
+
+def placement(args) -> dict[str, str]:
+    """Each role's CPU list: its --ROLE-cpus flag, else the default split."""
+    split = default_placement(os.sched_getaffinity(0))
+    return {role: getattr(args, f"{role}_cpus") or split[role] for role in ROLES}
+
+
 def _interrupt(signum, frame) -> None:
     """SIGTERM to `pdserve up` stops the stack the way Ctrl-C does."""
     raise KeyboardInterrupt
@@ -142,12 +162,16 @@ def _interrupt(signum, frame) -> None:
 def run_up(args) -> int:
     # A bad --model or --dtype is one error here (exit 2), not three failed start-ups; a GGUF is
     # converted here once rather than by three services at the same time.
-    CommonSettings(model=args.model, dtype=args.dtype)
+    CommonSettings(model=args.model, dtype=args.dtype, weights=args.weights)
     from pdserve.models.loading import load_served_model
 
-    served = load_served_model(args.model, args.dtype, weights=False)
+    served = load_served_model(args.model, args.dtype, weights=False, weight_format=args.weights)
     print(f"model: {served.identity}", flush=True)
     args.port = args.port or free_port()
+    cpus = placement(args)
+    threads = args.torch_threads or "one per CPU"
+    where = ", ".join(f"{role} on CPUs {cpus[role]}" for role in ROLES)
+    print(f"placement: {where}; torch threads: {threads}", flush=True)
     commands = stack_commands(
         args.port,
         args.prefill_port or free_port(),
@@ -156,7 +180,7 @@ def run_up(args) -> int:
         args.torch_threads,
         args.metrics_base_port,
         as_flags(CommonSettings, args, SHARED_SETTINGS),
-        {role: getattr(args, f"{role}_cpus") for role in ROLES},
+        cpus,
         as_flags(RouterSettings, args, ("http_port",)),
     )
     procs = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}

@@ -16,6 +16,7 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar, Protocol, get_type_hints
 
+from pdserve.core.config import WEIGHT_FORMATS
 from pdserve.faults import Faults
 
 ENV_PREFIX = "PDSERVE_"
@@ -63,6 +64,13 @@ class CommonSettings:
     dtype: str = setting(
         "", "weights and KV dtype: bfloat16, float16 or float32; empty for the checkpoint's own"
     )
+    weights: str = setting(
+        "dense",
+        "how the linear layers hold their weights: dense (in --dtype), int8 (one byte a "
+        "weight, any Llama-family checkpoint) or q4 (4-bit groups of 32; a Q4_1 GGUF's own "
+        "blocks, as llama.cpp reads them). Prefill and decode must agree: it is part of the "
+        "model's fingerprint",
+    )
     host: str = setting(
         "127.0.0.1",
         "address to listen on (gRPC, metrics and the KV data plane); 0.0.0.0 for every "
@@ -104,6 +112,7 @@ class CommonSettings:
         if not self.model:
             raise ValueError("model must name a checkpoint, a .gguf file or a built-in model")
         _one_of(self, "dtype", DTYPES)
+        _one_of(self, "weights", WEIGHT_FORMATS)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
         if self.max_connection_age_seconds < 0:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from procs import generate, greedy_request, wait_until
 from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import ModelConfig
-from pdserve.core.paged_cache import PagedCache
+from pdserve.engine.paged_cache import PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.faults import Faults
 from pdserve.kv import frames

@@ -17,9 +17,9 @@ import torch
 
 from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import ModelConfig
-from pdserve.core.paged_cache import PagedCache
+from pdserve.engine.paged_cache import PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
-from pdserve.core.sequence import Emission
+from pdserve.engine.sequence import Emission
 from pdserve.faults import Faults
 from pdserve.localstack import wait_until
 from pdserve.kv import frames

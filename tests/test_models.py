@@ -18,7 +18,7 @@ import torch
 import tiny_checkpoints as tc
 from procs import generate, greedy_request, start_service, start_stack
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.paged_cache import PagedCache
+from pdserve.engine.paged_cache import PagedCache
 from pdserve.models.checkpoint import CheckpointError
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pdserve.core.config import ModelConfig
-from pdserve.core.prefill_prefix import PrefixCachedPrefill
-from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
+from pdserve.engine.prefill_prefix import PrefixCachedPrefill
+from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.models.tinygpt import TinyGPT
 

@@ -196,7 +196,7 @@ def fake_loading(monkeypatch):
     """pdserve.models.loading and services.router.server stand-ins that record their calls."""
     calls = {}
 
-    def load_served_model(name, dtype, weights):
+    def load_served_model(name, dtype, weights, weight_format):
         calls["load"] = (name, dtype, weights)
         if name.startswith("/missing"):
             raise FileNotFoundError(f"no checkpoint at {name}")
@@ -239,7 +239,7 @@ def test_up_hands_model_and_dtype_to_every_service():
     for role, command in commands.items():
         argv = command[command.index("serve") :]  # after `python -m pdserve.cli`
         common = cfg.settings_from_args(role, build_parser().parse_args(argv)).common
-        assert (common.model, common.dtype) == ("tinygpt", "bfloat16"), role
+        assert (common.model, common.dtype, common.weights) == ("tinygpt", "bfloat16", "dense")
 
 
 def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
@@ -249,6 +249,8 @@ def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
         "smollm2-135m-instruct",
         "--dtype",
         "",
+        "--weights",
+        "dense",
     ]
 
 
@@ -263,10 +265,25 @@ def test_cpu_lists_parse_and_reach_each_service():
     assert commands["prefill"][commands["prefill"].index("--cpus") + 1] == "0"
     assert commands["decode"][commands["decode"].index("--cpus") + 1] == "1"
     assert "--cpus" not in commands["router"]
-    # Threads follow a service's CPUs (0: the service counts them); unpinned services get 1.
+    # Threads follow a service's CPUs (0: the service counts them).
     assert commands["decode"][commands["decode"].index("--torch-threads") + 1] == "0"
-    unpinned = stack_commands(50051, 50052, 50053, 64, 0)
-    assert unpinned["decode"][unpinned["decode"].index("--torch-threads") + 1] == "1"
+
+
+def test_up_splits_the_cpus_between_prefill_and_decode_by_default():
+    from pdserve.launcher import default_placement, placement
+
+    assert default_placement({0, 1}) == {"prefill": "0", "decode": "1", "router": "0"}
+    assert default_placement({0, 1, 2, 3, 4}) == {
+        "prefill": "0,1",
+        "decode": "2,3,4",
+        "router": "0,1",
+    }
+    assert default_placement({3}) == {"prefill": "3", "decode": "3", "router": "3"}
+    # A role's own flag replaces its default; the others keep theirs.
+    args = build_parser().parse_args(["up", "--decode-cpus", "0"])
+    placed = placement(args)
+    assert placed["decode"] == "0"
+    assert placed["prefill"] == default_placement(os.sched_getaffinity(0))["prefill"]
 
 
 def test_a_service_pinned_to_a_cpu_it_cannot_use_exits_with_a_message():

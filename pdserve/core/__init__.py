@@ -1,2 +1,3 @@
-"""The engine pieces every service shares. Imports no service and no generated protobuf code;
-modules that need torch import it themselves, so the router can use the rest without it."""
+"""Torch-free accounting every service shares: the block pool, the prefix cache's hash chain,
+requests and sampling specs, the model config. Imports nothing above it (no model, engine,
+metrics, service or generated protobuf code), so the router and tests use it without torch."""

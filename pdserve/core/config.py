@@ -8,6 +8,9 @@ their config.json (pdserve.models.checkpoint).
 from dataclasses import dataclass
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# How the linear layers hold their weights (pdserve/models/quantized.py): the checkpoint's own in
+# `dtype`, int8 per output row, or 4-bit groups (llama.cpp's Q4_1).
+WEIGHT_FORMATS = ("dense", "int8", "q4")
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,16 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q, k and v projections (Qwen2; Llama's option)
     output_bias: bool = False  # a bias on the attention output projection (Llama's option)
     mlp_bias: bool = False
+    # Part of the model's identity (and so its fingerprint): KV computed with other weights differs.
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPE_SIZES)}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weights {self.weights!r}: expected one of {', '.join(WEIGHT_FORMATS)}"
+            )
         if not self.head_size and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:

@@ -16,7 +16,7 @@ from pdserve.core.block_pool import BlockPool, BlockTable, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.kv.wire import KvAssembly, KvRejected
 from pdserve.core.request import GenerateSpec
-from pdserve.core.sequence import Emission, Sequence, Sink
+from pdserve.engine.sequence import Emission, Sequence, Sink
 
 
 class LeaseRejected(KvRejected):

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.core.config import ModelConfig
 from pdserve.kv import compression
-from pdserve.core.paged_cache import TORCH_DTYPES
+from pdserve.engine.paged_cache import TORCH_DTYPES
 
 # 1 MiB: gRPC streams moved these ~5x faster than 64 KiB pieces (2-vCPU VM, grpcio 1.85).
 DEFAULT_CHUNK_BYTES = 1 << 20

@@ -530,3 +530,56 @@ def _tokenizer_config(meta: _Metadata, config: dict, template: str | None) -> di
     if template is not None:
         settings["chat_template"] = template
     return {key: value for key, value in settings.items() if value is not None}
+
+
+# --- 4-bit blocks as they are -----------------------------------------------------------------
+
+Q4_1_GROUP = 32  # weights per Q4_1 block: fp16 scale d, fp16 minimum m, 16 bytes of nibbles
+
+
+def q4_1_tensors(gguf_path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every Q4_1 tensor of the file, by Hugging Face name, as (codes, scales, minimums).
+
+    codes are uint8 [rows, columns] in 0..15, scales and minimums float32 [rows, columns / 32];
+    a weight is codes * scale + minimum, exactly as llama.cpp reads it. Q and K rows are put
+    back in Hugging Face order (a row permutation, which leaves every block whole).
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    meta = _Metadata(reader, Path(gguf_path))
+    config = _model_config(meta)
+    found = {}
+    for gguf_name, tensor in meta.tensors.items():
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        name = _hf_name(meta, gguf_name)
+        rows, columns = (int(d) for d in reversed(tensor.shape.tolist()))
+        codes, scales, minimums = _q4_1_blocks(np.asarray(tensor.data), rows, columns)
+        found[name] = (
+            _hf_rows(codes, name, config),
+            _hf_rows(scales, name, config),
+            _hf_rows(minimums, name, config),
+        )
+    return found
+
+
+def _q4_1_blocks(
+    raw: np.ndarray, rows: int, columns: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's block_q4_1: d, m (fp16), then byte j holds weight j (low nibble) and weight
+    j + 16 (high nibble)."""
+    blocks = raw.reshape(rows, columns // Q4_1_GROUP, 20)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    minimums = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, columns)
+    return codes, scales, minimums
+
+
+def _hf_rows(part: np.ndarray, name: str, config: dict) -> np.ndarray:
+    if name.endswith("q_proj.weight"):
+        return _unpermute_rope_rows(part, config["num_attention_heads"])
+    if name.endswith("k_proj.weight"):
+        return _unpermute_rope_rows(part, config["num_key_value_heads"])
+    return part

@@ -5,12 +5,16 @@ head, optional biases (Qwen2 has them on q, k and v). Parameter names are the Hu
 checkpoints' own, so a safetensors state dict loads as it is.
 """
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
+from pdserve.models.quantized import Q4Blocks, make_linear, stacked
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 
@@ -34,7 +38,21 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.d_model, c.kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.d_model, c.kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.output_bias)
+        self.o_proj: nn.Module = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.output_bias)
+        self.sizes = [c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim]
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one matrix, once fused
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.qkv_proj is None:
+            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        return self.qkv_proj(h).split(self.sizes, -1)
+
+    def fuse(self, fmt: str, q4: dict[str, Q4Blocks], prefix: str) -> None:
+        """One matrix for q, k and v (one read of the input, one kernel call), in `fmt`."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_proj = _stacked_linear(fmt, parts, q4, [prefix + n for n in ("q", "k", "v")])
+        self.o_proj = _stacked_linear(fmt, [self.o_proj], q4, [prefix + "o"])
+        del self.q_proj, self.k_proj, self.v_proj
 
 
 class MLP(nn.Module):
@@ -42,10 +60,36 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(c.d_model, c.d_ff, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.d_model, c.d_ff, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.d_ff, c.d_model, bias=c.mlp_bias)
+        self.down_proj: nn.Module = nn.Linear(c.d_ff, c.d_model, bias=c.mlp_bias)
+        self.d_ff = c.d_ff
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one matrix, once fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).split(self.d_ff, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def fuse(self, fmt: str, q4: dict[str, Q4Blocks], prefix: str) -> None:
+        parts = [self.gate_proj, self.up_proj]
+        self.gate_up_proj = _stacked_linear(fmt, parts, q4, [prefix + "gate", prefix + "up"])
+        self.down_proj = _stacked_linear(fmt, [self.down_proj], q4, [prefix + "down"])
+        del self.gate_proj, self.up_proj
+
+
+def _stacked_linear(
+    fmt: str, parts: Sequence[nn.Module], q4: dict[str, Q4Blocks], names: list[str]
+) -> nn.Module:
+    """The linear layers `parts` (named by `names` in `q4`) as one, their rows stacked."""
+    linears = cast(list[nn.Linear], list(parts))
+    weight = torch.cat([p.weight for p in linears])
+    bias = stacked([p.bias for p in linears])
+    blocks = [q4.get(f"{n}_proj.weight") for n in names]
+    own = None
+    if all(b is not None for b in blocks):
+        own = tuple(torch.cat([b[i] for b in blocks if b is not None]) for i in range(3))
+    return make_linear(fmt, weight, bias, own)  # type: ignore[arg-type]
 
 
 class Layer(nn.Module):
@@ -58,10 +102,11 @@ class Layer(nn.Module):
 
     def qkv(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, ...]:
         """x [tokens, d_model] -> q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
-        a, h = self.self_attn, self.input_layernorm(x)
-        q = a.q_proj(h).view(x.shape[0], a.heads, a.head_dim)
-        k = a.k_proj(h).view(x.shape[0], a.kv_heads, a.head_dim)
-        v = a.v_proj(h).view(x.shape[0], a.kv_heads, a.head_dim)
+        a = self.self_attn
+        q, k, v = a.project(self.input_layernorm(x))
+        q = q.view(x.shape[0], a.heads, a.head_dim)
+        k = k.view(x.shape[0], a.kv_heads, a.head_dim)
+        v = v.view(x.shape[0], a.kv_heads, a.head_dim)
         return rotary.apply(q), rotary.apply(k), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -84,7 +129,7 @@ class LlamaForCausalLM(DecoderOnly):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if config.tie_embeddings
             else nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -109,3 +154,18 @@ class LlamaForCausalLM(DecoderOnly):
         if self.lm_head is None:
             return F.linear(x, self.model.embed_tokens.weight)
         return self.lm_head(x)
+
+    def use_weights(self, fmt: str, q4: dict[str, Q4Blocks]) -> None:
+        """Fuses each layer's projections and holds every linear layer in `fmt` (quantized.py);
+        `q4` holds a GGUF's own 4-bit blocks by Hugging Face name, where there are any. The
+        output head, the largest matrix, is int8 in both quantized formats, as llama.cpp keeps
+        its own in 8 bits."""
+        for index, layer in enumerate(cast(list[Layer], list(self.layers))):
+            prefix = f"model.layers.{index}."
+            layer.self_attn.fuse(fmt, q4, prefix + "self_attn.")
+            layer.mlp.fuse(fmt, q4, prefix + "mlp.")
+        if fmt != "dense":
+            head: torch.Tensor = self.model.embed_tokens.weight
+            if self.lm_head is not None:
+                head = cast(nn.Linear, self.lm_head).weight
+            self.lm_head = make_linear("int8", head, None)

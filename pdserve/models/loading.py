@@ -6,6 +6,7 @@ and fingerprint; only the services that run the model build it (`weights=True`).
 does, and this module imports torch only to build.
 """
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ class ServedModel:
     fingerprint: str  # architecture, shapes, dtype and a hash of the weights
     source: Path | None = None  # the checkpoint directory; None for TinyGPT
     model: "CausalLM | None" = None  # the built model where weights were asked for
+    gguf: Path | None = None  # the GGUF file the checkpoint was converted from, if any
 
     @property
     def identity(self) -> str:
@@ -48,40 +50,52 @@ class ServedModel:
         return self.model
 
 
-def load_served_model(ref: str, dtype: str = "", weights: bool = True) -> ServedModel:
-    served = _describe(ref, dtype)
+def load_served_model(
+    ref: str, dtype: str = "", weights: bool = True, weight_format: str = "dense"
+) -> ServedModel:
+    """`weight_format` (--weights) is how the linear layers hold their weights."""
+    served = _describe(ref, dtype, weight_format)
     if weights:
         from pdserve.models.registry import build
 
-        served.model = build(served.config, served.source)
+        served.model = build(served.config, served.source, served.gguf)
     return served
 
 
-def _describe(ref: str, dtype: str) -> ServedModel:
+def _describe(ref: str, dtype: str, weight_format: str) -> ServedModel:
     if ref.lower() == TINYGPT:
-        config = ModelConfig(dtype=dtype or "float32")
+        config = ModelConfig(dtype=dtype or "float32", weights=weight_format)
         return ServedModel(TINYGPT, config, ByteTokenizer(), fingerprint(config, []))
-    directory = _checkpoint_dir(ref)
-    config = checkpoint.model_config(directory, dtype)
+    gguf = _gguf_file(ref)
+    directory = _checkpoint_dir(ref, gguf)
+    config = dataclasses.replace(checkpoint.model_config(directory, dtype), weights=weight_format)
     files = checkpoint.weight_files(directory)
     name = (
         Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() else ref
     )
-    return ServedModel(
-        name, config, checkpoint.tokenizer(directory, config), fingerprint(config, files), directory
-    )
+    tokenizer = checkpoint.tokenizer(directory, config)
+    return ServedModel(name, config, tokenizer, fingerprint(config, files), directory, gguf=gguf)
 
 
-def _checkpoint_dir(ref: str) -> Path:
+def _gguf_file(ref: str) -> Path | None:
     from pdserve.models import gguf_import
 
     if ref.lower() == gguf_import.SMOLLM2_NAME:
-        return gguf_import.ensure_converted(gguf_import.smollm2_gguf_path())
+        return gguf_import.smollm2_gguf_path()
     path = Path(ref).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"--model {ref}: no such GGUF file")
-        return gguf_import.ensure_converted(path)
+    if path.suffix != ".gguf":
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {ref}: no such GGUF file")
+    return path
+
+
+def _checkpoint_dir(ref: str, gguf: Path | None) -> Path:
+    from pdserve.models import gguf_import
+
+    if gguf is not None:
+        return gguf_import.ensure_converted(gguf)
+    path = Path(ref).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
             f"--model {ref}: not a checkpoint directory, a .gguf file or a "

@@ -24,7 +24,7 @@ ContiguousKv = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class PagedKv(Protocol):
-    """One decode step's view of a paged cache (pdserve.core.paged_cache.DecodeStepKv)."""
+    """One decode step's view of a paged cache (pdserve.engine.paged_cache.DecodeStepKv)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the step's new K/V [rows, kv_heads, dim] and attends q [rows, heads, dim]

@@ -23,10 +23,13 @@ ARCHITECTURES: dict[str, type[DecoderOnly]] = {
 }
 
 
-def build(config: ModelConfig, source: Path | None) -> DecoderOnly:
-    """The model in eval mode, in config.dtype; weights from `source` (TinyGPT draws its own)."""
+def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) -> DecoderOnly:
+    """The model in eval mode, in config.dtype and config.weights; weights from `source` (TinyGPT
+    draws its own), 4-bit blocks from `gguf` where it has them."""
     cls = ARCHITECTURES[config.architecture]
     if source is None:
+        if config.weights != "dense":
+            raise ValueError(f"--weights {config.weights} needs a Llama-family checkpoint")
         return cls(config).eval()
     started = time.perf_counter()
     with torch.device("meta"):  # no memory and no random init for weights about to be replaced
@@ -35,12 +38,29 @@ def build(config: ModelConfig, source: Path | None) -> DecoderOnly:
     tensors = checkpoint.load_weights(source, expected)
     dtype = getattr(torch, config.dtype)
     model.load_state_dict({n: t.to(dtype) for n, t in tensors.items()}, strict=True, assign=True)
+    count = parameter_count(model)
+    if isinstance(model, LlamaForCausalLM):
+        model.use_weights(config.weights, _q4_blocks(gguf) if config.weights == "q4" else {})
     log.info(
-        "loaded %s from %s: %.1fM parameters in %s, %.1f s",
+        "loaded %s from %s: %.1fM parameters in %s, linear layers %s, %.1f s",
         config.architecture,
         source,
-        parameter_count(model) / 1e6,
+        count / 1e6,
         config.dtype,
+        config.weights,
         time.perf_counter() - started,
     )
     return model.eval()
+
+
+def _q4_blocks(gguf: Path | None) -> dict:
+    """The GGUF's own Q4_1 blocks as tensors; none where the checkpoint did not come from one
+    (its 4-bit blocks are then computed from the dense weights)."""
+    if gguf is None:
+        return {}
+    from pdserve.models.gguf_import import q4_1_tensors
+
+    return {
+        name: tuple(torch.from_numpy(part) for part in parts)
+        for name, parts in q4_1_tensors(gguf).items()
+    }

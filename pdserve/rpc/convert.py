@@ -3,7 +3,7 @@
 import uuid
 
 from pdserve.core.request import GenerateSpec, SamplingSpec, one_prompt
-from pdserve.core.sequence import FinishReason
+from pdserve.engine.sequence import FinishReason
 from pdserve.models.loading import ServedModel
 from pdserve.models.tokenizer import ChatMessage, Tokenizer
 from pdserve.v1 import pdserve_pb2 as pb

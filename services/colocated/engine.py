@@ -10,13 +10,13 @@ Prefill writes its KV straight into the paged cache, the in-process equivalent o
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.chunked_prefill import ChunkedPrefill, Handle
-from pdserve.core.decode_scheduler import DecodeScheduler
-from pdserve.core.engine_loop import EngineLoop
-from pdserve.core.paged_cache import PagedCache
-from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler
+from pdserve.engine.chunked_prefill import ChunkedPrefill, Handle
+from pdserve.engine.decode_scheduler import DecodeScheduler
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.paged_cache import PagedCache
+from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler
 from pdserve.core.request import GenerateSpec
-from pdserve.core.sequence import Sink
+from pdserve.engine.sequence import Sink
 from pdserve.models.loading import ServedModel
 from pdserve.settings import ColocatedSettings
 

@@ -10,7 +10,7 @@ from pdserve import metrics
 
 from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.request import GenerateSpec, validate
-from pdserve.core.sequence import FinishReason
+from pdserve.engine.sequence import FinishReason
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert, model_info
 from pdserve.rpc.errors import ServiceError
@@ -25,7 +25,7 @@ from pdserve.rpc.server import (
 from pdserve.settings import ColocatedSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from pdserve.core.chunked_prefill import Handle
+from pdserve.engine.chunked_prefill import Handle
 from pdserve.services.colocated.engine import ColocatedEngine
 
 log = logging.getLogger(__name__)

@@ -8,11 +8,11 @@ import logging
 from pdserve import metrics
 
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.chunked_prefill import ChunkedPrefill, Handle
-from pdserve.core.decode_scheduler import DecodeScheduler
-from pdserve.core.engine_loop import EngineLoop
-from pdserve.core.paged_cache import PagedCache
-from pdserve.core.sequence import Sequence
+from pdserve.engine.chunked_prefill import ChunkedPrefill, Handle
+from pdserve.engine.decode_scheduler import DecodeScheduler
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.paged_cache import PagedCache
+from pdserve.engine.sequence import Sequence
 from pdserve.models.loading import ServedModel
 from pdserve.settings import DecodeSettings
 from pdserve.kv.leases import Lease

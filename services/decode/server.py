@@ -12,9 +12,9 @@ import grpc
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockTable
-from pdserve.core.chunked_prefill import Handle
+from pdserve.engine.chunked_prefill import Handle
 from pdserve.core.request import GenerateSpec, validate
-from pdserve.core.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 from pdserve.kv.grpc_transport import push_kv_handler
 from pdserve.kv.leases import Lease, LeaseLimits, LeaseState, LeaseTable
 from pdserve.kv.receiver import KvReceiver

@@ -10,9 +10,9 @@ import grpc
 
 from pdserve import metrics
 
-from pdserve.core.engine_loop import EngineLoop
-from pdserve.core.prefill_prefix import PrefixCachedPrefill
-from pdserve.core.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.prefill_prefix import PrefixCachedPrefill
+from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import validate
 from pdserve.kv.grpc_transport import GrpcKvSink
 from pdserve.kv.leases import shown

@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Callable
 
 from pdserve.core.block_pool import BlockTable
-from pdserve.core.output_text import OutputText
+from pdserve.engine.output_text import OutputText
 from pdserve.core.request import GenerateSpec
 from pdserve.models.tokenizer import Tokenizer
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockTable
-from pdserve.core.decode_scheduler import DecodeScheduler
-from pdserve.core.paged_cache import PagedCache, PromptChunk
-from pdserve.core.prefill_scheduler import PrefillJob, PrefillTiming
+from pdserve.engine.decode_scheduler import DecodeScheduler
+from pdserve.engine.paged_cache import PagedCache, PromptChunk
+from pdserve.engine.prefill_scheduler import PrefillJob, PrefillTiming
 from pdserve.core.request import GenerateSpec
-from pdserve.core.sampling import sample
-from pdserve.core.sequence import Emission, Sequence, Sink
+from pdserve.engine.sampling import sample
+from pdserve.engine.sequence import Emission, Sequence, Sink
 from pdserve.models.protocol import CausalLM
 
 

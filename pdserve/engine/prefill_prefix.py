@@ -19,7 +19,7 @@ import torch
 
 from pdserve.core.block_pool import BlockPool, BlockTable, PoolExhausted
 from pdserve.core.config import ModelConfig
-from pdserve.core.paged_cache import DecodeStepKv, PagedCache, PromptChunk
+from pdserve.engine.paged_cache import DecodeStepKv, PagedCache, PromptChunk
 from pdserve.models.protocol import CausalLM, LayerKvCallback
 
 

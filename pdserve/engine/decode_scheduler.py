@@ -10,11 +10,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.core.paged_cache import PagedCache
-from pdserve.core.sampling import sample
+from pdserve.engine.paged_cache import PagedCache
+from pdserve.engine.sampling import sample
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.request import GenerateSpec
-from pdserve.core.sequence import Sequence, Sink
+from pdserve.engine.sequence import Sequence, Sink
 from pdserve.models.protocol import CausalLM
 from pdserve.models.tokenizer import Tokenizer
 

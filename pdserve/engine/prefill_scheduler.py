@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 
 from pdserve.core.block_pool import BlockTable
-from pdserve.core.prefill_prefix import CachedPrompt, PrefixCachedPrefill
+from pdserve.engine.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.core.request import GenerateSpec
-from pdserve.core.sampling import sample
+from pdserve.engine.sampling import sample
 from pdserve.models.protocol import CausalLM
 
 

@@ -1,0 +1,156 @@
+"""A decode step against the floor of its own linear layers, in each weight format.
+
+The step is one `decode_paged` over a PagedCache (SmolLM2, each sequence with --context tokens
+cached), building the step's view included. Its floor is the same model's linear layers alone,
+called with inputs of the batch's size: every layer's fused q/k/v, o, fused gate/up and down
+projections, and the output head, in the format being served (so q4's floor is q4's kernel).
+What the step spends beyond the floor is per-op overhead, RoPE, norms and attention.
+
+Goal (the engine issue): step <= 1.3 x floor at batch 1, 16 and 64. Configurations (format x
+threads x batch) are interleaved repeat by repeat; each figure is the median over --repeats, with
+the min-max spread. The dense bf16 step is the baseline the other formats are compared with.
+
+  .venv/bin/python bench/decode_step.py                # ~4 minutes on 2 vCPUs
+  .venv/bin/python bench/decode_step.py --formats q4 --threads 1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common import spread, write_results
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.config import WEIGHT_FORMATS
+from pdserve.engine.paged_cache import PagedCache
+from pdserve.models.loading import load_served_model
+from pdserve.models.quantized import Int8Linear, Q4Linear
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "smollm2-135m-instruct"
+BLOCK_SIZE = 16
+INNER = 5  # steps per timing; their median is one repeat's figure
+
+
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """Every linear layer of the model with its input width."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, Int8Linear, Q4Linear)):
+            found.append((module, module.in_features))
+    return found
+
+
+class Setup:
+    """One served format: the model, a pool and each batch's block tables."""
+
+    def __init__(self, fmt: str, batches: list[int], context: int) -> None:
+        self.served = load_served_model(MODEL, weight_format=fmt)
+        self.model = self.served.built
+        self.linears = linear_layers(self.model)
+        tied = getattr(self.model, "lm_head", None) is None
+        self.tied_head = self.model.model.embed_tokens.weight if tied else None
+        blocks = sum(batches) * -(-(context + 1) // BLOCK_SIZE)
+        self.cache = PagedCache(self.served.config, blocks, BLOCK_SIZE)
+        self.cache.kv.normal_()  # touched, as a serving pool's memory is
+        pool = BlockPool(blocks, BLOCK_SIZE)
+        self.tables = {}
+        for batch in batches:
+            self.tables[batch] = [pool.reserve(context + 1) for _ in range(batch)]
+            for table in self.tables[batch]:
+                table.ensure(context + 1)
+        self.context = context
+
+    def step(self, batch: int) -> None:
+        lengths = [self.context] * batch
+        view = self.cache.step_view(self.tables[batch], lengths)
+        self.model.decode_paged([5] * batch, lengths, view)
+
+    def floor(self, batch: int) -> None:
+        dtype = getattr(torch, self.served.config.dtype)
+        with torch.inference_mode():
+            inputs = {w: torch.randn(batch, w, dtype=dtype) for w in {w for _, w in self.linears}}
+            for module, width in self.linears:
+                module(inputs[width])
+            if self.tied_head is not None:
+                torch.nn.functional.linear(inputs[self.tied_head.shape[1]], self.tied_head)
+
+
+def timed(fn, batch: int) -> float:
+    times = []
+    for _ in range(INNER):
+        start = time.perf_counter()
+        fn(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS), choices=WEIGHT_FORMATS)
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=150, help="tokens cached per sequence")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=str(RESULTS / "decode_step.json"))
+    args = p.parse_args()
+    setups = {fmt: Setup(fmt, args.batches, args.context) for fmt in args.formats}
+    configs = [(f, t, b) for t in args.threads for b in args.batches for f in args.formats]
+    step: dict[tuple, list[float]] = {c: [] for c in configs}
+    floor: dict[tuple, list[float]] = {c: [] for c in configs}
+    for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
+        for fmt, threads, batch in configs:
+            torch.set_num_threads(threads)
+            s, f = timed(setups[fmt].step, batch), timed(setups[fmt].floor, batch)
+            if repeat:
+                step[(fmt, threads, batch)].append(s)
+                floor[(fmt, threads, batch)].append(f)
+    rows = [row(c, step, floor) for c in configs]
+    for r in rows:
+        print(
+            f"{r['format']:>5} threads {r['threads']} batch {r['batch']:>2}: step "
+            f"{r['step_ms']['median']:6.1f} ms, linear floor {r['floor_ms']['median']:6.1f} ms, "
+            f"step/floor {r['step_over_floor']['median']:.2f} "
+            f"({r['step_over_floor']['min']:.2f}-{r['step_over_floor']['max']:.2f})"
+            + (
+                f", dense/this {r['dense_over_this']['median']:.2f}"
+                if "dense_over_this" in r
+                else ""
+            )
+        )
+    conditions = {
+        "model": MODEL,
+        "dtype": setups[args.formats[0]].served.config.dtype,
+        "context_tokens": args.context,
+        "repeats": args.repeats,
+        "inner_steps": INNER,
+        "torch": torch.__version__,
+        "workload": "one decode_paged step per timing; floor = the model's linear layers alone",
+    }
+    write_results(args.out, conditions, rows=rows)
+
+
+def row(config: tuple, step: dict, floor: dict) -> dict:
+    fmt, threads, batch = config
+    ratios = [s / f for s, f in zip(step[config], floor[config])]
+    out = {
+        "format": fmt,
+        "threads": threads,
+        "batch": batch,
+        "step_ms": spread(step[config]),
+        "floor_ms": spread(floor[config]),
+        "step_over_floor": spread(ratios),
+    }
+    dense = ("dense", threads, batch)
+    if fmt != "dense" and dense in step:
+        out["dense_over_this"] = spread(d / s for d, s in zip(step[dense], step[config]))
+    return out
+
+
+if __name__ == "__main__":
+    main()

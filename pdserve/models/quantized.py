@@ -1,0 +1,128 @@
+"""Linear layers in fewer bytes: int8 weight-only and 4-bit groups (q4), on torch's own CPU kernels.
+
+A decode step reads every weight once per step, so at small batches its time follows the bytes
+read. Three formats (`--weights`):
+
+  dense  the checkpoint's weights in --dtype (nn.Linear)
+  int8   one int8 per weight and one scale per output row (symmetric), any checkpoint;
+         torch._weight_int8pack_mm
+  q4     4-bit codes in groups of 32 input columns, each group with a scale and a minimum, as
+         llama.cpp's Q4_1 stores them: weight = code * scale + minimum. From a Q4_1 GGUF the
+         blocks are read as they are (the model the file ships); from any other checkpoint they
+         are computed from the dense weights. torch._weight_int4pack_mm_for_cpu
+
+The int4 kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale. Its scales
+are held in the activations' dtype: bfloat16 rounds Q4_1's fp16 scales to 8 significant bits.
+A q4 layer whose shape the kernel refuses (output rows not a multiple of 16, input columns not a
+multiple of 32) stays int8, and says so in the log.
+"""
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Q4_GROUP = 32
+Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
+
+
+class Int8Linear(nn.Module):
+    codes: torch.Tensor  # buffers, declared for the type checker
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        wide = weight.detach().float()
+        scale = wide.abs().amax(1).clamp(min=1e-12) / 127
+        self.register_buffer(
+            "codes", (wide / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        )
+        self.register_buffer("scale", scale.to(weight.dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch._weight_int8pack_mm(flat, self.codes, self.scale)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+
+
+class Q4Linear(nn.Module):
+    packed: torch.Tensor  # buffers, declared for the type checker
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        minimums: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        """codes int [rows, columns] in 0..15; scales, minimums [rows, columns / 32]."""
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        zeros = minimums.float() + 8 * scales.float()
+        # The kernel's layout: [groups, rows, (scale, zero)].
+        both = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().to(dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", both)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums
+
+
+def q4_blocks(weight: torch.Tensor) -> Q4Blocks:
+    """Q4_1-style blocks of a dense weight: per group of 32, the minimum and (max - min) / 15."""
+    rows, columns = weight.shape
+    groups = weight.detach().float().view(rows, columns // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return codes.view(rows, columns).to(torch.uint8), scale, low
+
+
+def fits_q4(rows: int, columns: int) -> bool:
+    return rows % Q4_ROWS_MULTIPLE == 0 and columns % Q4_GROUP == 0
+
+
+def stacked(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Rows of several layers' tensors as one (their biases: all or none)."""
+    if any(p is None for p in parts):
+        return None
+    return torch.cat([p for p in parts if p is not None])
+
+
+def make_linear(
+    fmt: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: Q4Blocks | None = None,
+) -> nn.Module:
+    """One linear layer in `fmt`; for q4, `blocks` are the file's own (else computed)."""
+    if fmt == "dense":
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return linear
+    if fmt == "q4" and fits_q4(*weight.shape):
+        codes, scales, minimums = blocks if blocks is not None else q4_blocks(weight)
+        return Q4Linear(codes, scales, minimums, bias, weight.dtype)
+    if fmt == "q4":
+        log.info("a %s linear layer does not fit the 4-bit kernel: int8", tuple(weight.shape))
+    return Int8Linear(weight, bias)

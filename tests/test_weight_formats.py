@@ -1,0 +1,108 @@
+"""Weight formats (--weights dense|int8|q4): each is token-exact against its own reference, the
+GGUF's 4-bit blocks are read as llama.cpp stores them, and the format is part of the model's
+identity."""
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_checkpoints as tc
+from test_models import paged_decode_against_reference, prompts
+from pdserve.models.gguf_import import ensure_converted, q4_1_tensors, smollm2_gguf_path
+from pdserve.models.loading import load_served_model
+from pdserve.models.quantized import Int8Linear, Q4Linear, make_linear, q4_blocks
+from pdserve.settings import CommonSettings
+
+TOLERANCE = 1e-4
+QUANTIZED = ("int8", "q4")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tc.build("llama-gqa-untied", tmp_path_factory.mktemp("formats"))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_each_format_is_token_exact_against_its_own_reference(checkpoint, fmt):
+    """Packed prefill and paged decode equal the plain contiguous forward of the same weights."""
+    served = load_served_model(str(checkpoint), weight_format=fmt)
+    model = served.built
+    linears = [m for m in model.modules() if isinstance(m, (Int8Linear, Q4Linear))]
+    assert linears, "no layer was converted"
+    batch = prompts()
+    packed = model.prefill_packed(batch, lambda *kv: None)
+    for prompt, logits in zip(batch, packed):
+        assert (logits - model.forward_contiguous(prompt, [])[-1]).abs().max() < TOLERANCE
+    worst = paged_decode_against_reference(
+        served, lambda s: model.forward_contiguous(s, [])[-1], batch, steps=4
+    )
+    assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_quantized_logits_stay_near_dense(checkpoint, fmt):
+    dense = load_served_model(str(checkpoint)).built
+    quantized = load_served_model(str(checkpoint), weight_format=fmt).built
+    prompt = prompts()[3]
+    ref, got = dense.forward_contiguous(prompt, []), quantized.forward_contiguous(prompt, [])
+    # Random tiny weights are the worst case for 4 bits; a wrong layout gives errors of the
+    # logits' own size (about 1 here), not hundredths.
+    bound = 0.05 if fmt == "int8" else 0.3
+    assert (got - ref).abs().max() < bound * ref.abs().max()
+
+
+def test_q4_layer_computes_code_times_scale_plus_minimum():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 96, generator=gen).to(torch.bfloat16)
+    codes, scales, minimums = q4_blocks(weight)
+    dequantized = (codes.float().view(48, 3, 32) * scales[..., None] + minimums[..., None]).view(
+        48, 96
+    )
+    assert (dequantized - weight.float()).abs().max() <= scales.max() / 2 + 1e-6  # half a step
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    layer = make_linear("q4", weight, None)
+    assert isinstance(layer, Q4Linear)
+    # The kernel reads (code - 8) * scale + zero with its scales held in bfloat16.
+    held = layer.scales_and_zeros.float()  # [groups, rows, 2]
+    scale, zero = held[..., 0].T[..., None], held[..., 1].T[..., None]
+    as_held = ((codes.float().view(48, 3, 32) - 8) * scale + zero).view(48, 96)
+    expected = x.float() @ as_held.T
+    assert (layer(x).float() - expected).abs().max() < 0.01 * expected.abs().max()
+
+
+def test_a_shape_the_4_bit_kernel_refuses_falls_back_to_int8():
+    layer = make_linear("q4", torch.randn(40, 64), None)  # 40 rows: not a multiple of 16
+    assert isinstance(layer, Int8Linear)
+
+
+def test_the_gguf_4_bit_blocks_are_the_converted_weights():
+    """codes * scale + minimum, in Hugging Face row order, is exactly what the converter
+    dequantized (before its rounding to bfloat16), for every Q4_1 tensor checked."""
+    from safetensors.torch import load_file
+
+    blocks = q4_1_tensors(smollm2_gguf_path())
+    assert len(blocks) == 30 * 7  # every projection of every layer
+    converted = load_file(str(ensure_converted(smollm2_gguf_path()) / "model.safetensors"))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        codes, scales, minimums = blocks[name]
+        rows, columns = codes.shape
+        weight = (
+            codes.astype(np.float32).reshape(rows, -1, 32) * scales[..., None] + minimums[..., None]
+        ).reshape(rows, columns)
+        ours = torch.from_numpy(weight).to(torch.bfloat16)
+        assert torch.equal(ours, converted[name]), name
+
+
+def test_the_format_is_part_of_the_fingerprint(checkpoint):
+    prints = {
+        f: load_served_model(str(checkpoint), weights=False, weight_format=f) for f in QUANTIZED
+    }
+    dense = load_served_model(str(checkpoint), weights=False)
+    assert len({dense.fingerprint, *(s.fingerprint for s in prints.values())}) == 3
+
+
+def test_bad_formats_are_refused_clearly():
+    with pytest.raises(ValueError, match=r"--weights \(PDSERVE_WEIGHTS\) must be one of.*got 'q3'"):
+        CommonSettings(weights="q3")
+    with pytest.raises(ValueError, match="needs a Llama-family checkpoint"):
+        load_served_model("tinygpt", weight_format="int8")
