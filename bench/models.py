@@ -42,6 +42,7 @@ import torch
 
 from pdserve.core.block_pool import BlockPool
 from pdserve.engine.decode_scheduler import DecodeScheduler
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.engine.sampling import sample
@@ -130,7 +131,8 @@ def pdserve_generate(served: ServedModel, prompts: list[list[int]], new_tokens: 
         GenerateSpec(f"bench-{i}", tuple(p), SamplingSpec(max_tokens=new_tokens, ignore_eos=True))
         for i, p in enumerate(prompts)
     ]
-    scheduler = DecodeScheduler(served.model, served.tokenizer, cache, max_batch=len(prompts))
+    runner = ModelRunner(served.built, cache)
+    scheduler = DecodeScheduler(runner, served.tokenizer, max_batch=len(prompts))
     outputs: list[list[int]] = [[] for _ in prompts]
 
     started = time.perf_counter()

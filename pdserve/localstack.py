@@ -32,7 +32,7 @@ class Service:
     port: int
     proc: subprocess.Popen
     log_path: str
-    http_port: int = 0  # a router's HTTP API; 0: none
+    http_port: int = 0  # a router's (or colocated engine's) HTTP API; 0: none
 
     @property
     def http_url(self) -> str:
@@ -78,7 +78,7 @@ def start_service(
     if role == "router" and "--http-port" not in flags:  # never the fixed default: tests overlap
         http_port = free_port()
         flags = (*flags, "--http-port", str(http_port))
-    elif role == "router":
+    elif "--http-port" in flags:
         http_port = int(flags[flags.index("--http-port") + 1])
     cmd = [
         sys.executable,

@@ -16,7 +16,7 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar, Protocol, get_type_hints
 
-from pdserve.core.config import WEIGHT_FORMATS
+from pdserve.core.config import AUTO_WEIGHTS, WEIGHT_FORMATS
 from pdserve.faults import Faults
 
 ENV_PREFIX = "PDSERVE_"
@@ -65,10 +65,11 @@ class CommonSettings:
         "", "weights and KV dtype: bfloat16, float16 or float32; empty for the checkpoint's own"
     )
     weights: str = setting(
-        "dense",
+        AUTO_WEIGHTS,
         "how the linear layers hold their weights: dense (in --dtype), int8 (one byte a "
-        "weight, any Llama-family checkpoint) or q4 (4-bit groups of 32; a Q4_1 GGUF's own "
-        "blocks, as llama.cpp reads them). Prefill and decode must agree: it is part of the "
+        "weight, any Llama-family checkpoint), q4 (4-bit groups of 32; a Q4_1 GGUF's own "
+        "blocks, as llama.cpp reads them), or auto: q4 for a bfloat16 model from a Q4_1 GGUF "
+        "(the default model), else dense. Prefill and decode must agree: it is part of the "
         "model's fingerprint",
     )
     host: str = setting(
@@ -112,7 +113,7 @@ class CommonSettings:
         if not self.model:
             raise ValueError("model must name a checkpoint, a .gguf file or a built-in model")
         _one_of(self, "dtype", DTYPES)
-        _one_of(self, "weights", WEIGHT_FORMATS)
+        _one_of(self, "weights", (AUTO_WEIGHTS, *WEIGHT_FORMATS))
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
         if self.max_connection_age_seconds < 0:
@@ -376,8 +377,15 @@ class ColocatedSettings:
         "over several steps; 0 for the plain loop (a whole prefill batch, then a decode step)",
         flag="prefill-chunk-tokens",
     )
+    http_port: int = setting(
+        0,
+        "port of the OpenAI-compatible HTTP API, as the router serves it (docs/api.md), on "
+        "--host beside gRPC; 0 (default) turns it off",
+    )
 
     def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port}: expected 0 (off) or a port")
         if self.chunk_tokens < 0:
             raise ValueError(
                 f"--prefill-chunk-tokens (PDSERVE_PREFILL_CHUNK_TOKENS) must be >= 0, "

@@ -14,7 +14,7 @@ os.environ["PDSERVE_MODEL"] = "tinygpt"
 
 import reference  # noqa: E402
 
-from procs import Stack, start_service, start_stack, wait_until
+from procs import Stack, free_port, start_service, start_stack, wait_until
 
 POOL_SETTLE_SECONDS = 15.0
 
@@ -40,7 +40,12 @@ def _session_stack(tmp_path_factory) -> Stack:
 @pytest.fixture(scope="session")
 def colocated(tmp_path_factory):
     service = start_service(
-        "colocated", "--torch-threads", "1", tmp_dir=str(tmp_path_factory.mktemp("colocated"))
+        "colocated",
+        "--torch-threads",
+        "1",
+        "--http-port",
+        str(free_port()),
+        tmp_dir=str(tmp_path_factory.mktemp("colocated")),
     )
     yield service
     service.stop()

@@ -251,7 +251,7 @@ def test_an_abort_racing_the_step_end_still_frees_the_blocks():
     pool = BlockPool(num_blocks=8, block_size=4)
     table = pool.reserve(8)
     table.ensure(8)
-    scheduler = DecodeScheduler(model=None, tokenizer=ByteTokenizer(), cache=None, max_batch=4)
+    scheduler = DecodeScheduler(runner=None, tokenizer=ByteTokenizer(), max_batch=4)
     seq = AbortedDuringLeave(table)
     scheduler.running = [seq]
     for _ in range(3):

@@ -81,3 +81,30 @@ def test_concurrent_equals_sequential(stack):
                 check_against_reference(prompt, a).near_ties
                 or check_against_reference(prompt, b).near_ties
             ), "runs differ without a near-tie"
+
+
+def test_colocated_serves_the_openai_api_with_the_same_tokens(colocated):
+    """`pdserve serve colocated --http-port` answers /v1/completions as the router does: a
+    streamed greedy completion of token ids has the text of the gRPC Generate of the same
+    prompt, and bad input gets its HTTP status."""
+    import openai
+
+    prompt = prompts()[8]
+    with grpc.insecure_channel(colocated.address) as channel:
+        _, expected, _ = generate(
+            pb_grpc.RouterServiceStub(channel), greedy_request(prompt, MAX_TOKENS)
+        )
+    sdk = openai.OpenAI(base_url=colocated.http_url, api_key="k", max_retries=0, timeout=60)
+    with sdk:
+        stream = sdk.completions.create(
+            model="tinygpt",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        with pytest.raises(openai.BadRequestError):  # past the context: 400, as the router
+            sdk.completions.create(model="tinygpt", prompt=prompt, max_tokens=10**6)
+    assert text == expected and text

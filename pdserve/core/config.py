@@ -11,6 +11,9 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # How the linear layers hold their weights (pdserve/models/quantized.py): the checkpoint's own in
 # `dtype`, int8 per output row, or 4-bit groups (llama.cpp's Q4_1).
 WEIGHT_FORMATS = ("dense", "int8", "q4")
+# The --weights default: q4 for a bfloat16 model converted from a Q4_1 GGUF (its own blocks, so
+# the model the file ships), dense otherwise (float32 stays the exact reference).
+AUTO_WEIGHTS = "auto"
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockTable
-from pdserve.engine.decode_scheduler import DecodeScheduler
-from pdserve.engine.paged_cache import PagedCache, PromptChunk
+from pdserve.engine.decode_scheduler import DecodeScheduler, decodings
+from pdserve.engine.model_runner import ModelRunner, PromptPiece
 from pdserve.engine.prefill_scheduler import PrefillJob, PrefillTiming
 from pdserve.core.request import GenerateSpec
-from pdserve.engine.sampling import sample
 from pdserve.engine.sequence import Emission, Sequence, Sink
-from pdserve.models.protocol import CausalLM
 
 
 @dataclass
@@ -130,14 +128,9 @@ class ChunkedPrefill:
     from the engine thread."""
 
     def __init__(
-        self,
-        model: CausalLM,
-        cache: PagedCache,
-        decode: DecodeScheduler,
-        budget: int,
-        service: str,
+        self, runner: ModelRunner, decode: DecodeScheduler, budget: int, service: str
     ) -> None:
-        self.model, self.cache, self.decode = model, cache, decode
+        self.runner, self.decode = runner, decode
         self.budget, self.service = budget, service
         self.chunks = ChunkQueue()
 
@@ -169,21 +162,11 @@ class ChunkedPrefill:
     def _forward(self, batch: list[Sequence], chunks: list[Chunk]):
         """One pass over each decode's newest token and every chunk's prompt tokens; logits only
         for the decodes and for the last token of each prompt that completes."""
-        tokens = [s.tokens[-1] for s in batch]
-        positions = [s.cached_tokens for s in batch]
-        rows = list(range(len(batch)))
-        for chunk in chunks:
-            chunk.handle.table.ensure(chunk.end)
-            tokens += chunk.handle.spec.prompt_token_ids[chunk.start : chunk.end]
-            positions += range(chunk.start, chunk.end)
-            if chunk.completes:
-                rows.append(len(tokens) - 1)
-        view = self.cache.step_view(
-            [s.table for s in batch],
-            [s.cached_tokens for s in batch],
-            [PromptChunk(c.handle.table, c.start, c.end) for c in chunks],
-        )
-        return self.model.decode_paged(tokens, positions, view, rows)
+        pieces = [
+            PromptPiece(c.handle.table, c.handle.spec.prompt_token_ids, c.start, c.end)
+            for c in chunks
+        ]
+        return self.runner.run(decodings(batch), pieces)
 
     def _claim(self, chunk: Chunk) -> bool:
         """True when the chunk's prompt is still wanted (and notes when its prefill began); a
@@ -200,7 +183,7 @@ class ChunkedPrefill:
     def _first_tokens(self, completed: list[Chunk], logits, started: float) -> None:
         if not completed:
             return
-        firsts = sample(
+        firsts = self.runner.sample(
             logits,
             [c.handle.spec.sampling for c in completed],
             [c.handle.spec.sampling.first_step for c in completed],

@@ -10,12 +10,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.paged_cache import PagedCache
-from pdserve.engine.sampling import sample
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.request import GenerateSpec
+from pdserve.engine.model_runner import Decoding, ModelRunner
 from pdserve.engine.sequence import Sequence, Sink
-from pdserve.models.protocol import CausalLM
 from pdserve.models.tokenizer import Tokenizer
 
 
@@ -26,10 +24,8 @@ class DecodeStepStats:
 
 
 class DecodeScheduler:
-    def __init__(
-        self, model: CausalLM, tokenizer: Tokenizer, cache: PagedCache, max_batch: int
-    ) -> None:
-        self.model, self.tokenizer, self.cache, self.max_batch = model, tokenizer, cache, max_batch
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_batch: int) -> None:
+        self.runner, self.tokenizer, self.max_batch = runner, tokenizer, max_batch
         self.running: list[Sequence] = []
         self._joining: deque[Sequence] = deque()
         self._lock = threading.Lock()
@@ -65,10 +61,7 @@ class DecodeScheduler:
         if not batch:
             return None
         start = time.perf_counter()
-        view = self.cache.step_view([s.table for s in batch], [s.cached_tokens for s in batch])
-        logits = self.model.decode_paged(
-            [s.tokens[-1] for s in batch], [s.cached_tokens for s in batch], view
-        )
+        logits = self.runner.run(decodings(batch))
         self.postprocess(batch, logits)
         return DecodeStepStats(len(batch), time.perf_counter() - start)
 
@@ -80,7 +73,7 @@ class DecodeScheduler:
     def postprocess(self, batch: list[Sequence], logits) -> None:
         """Samples each sequence's token from its row of `logits`, then lets finished ones go."""
         steps = [s.spec.sampling.first_step + s.generated for s in batch]
-        tokens = sample(logits, [s.spec.sampling for s in batch], steps)
+        tokens = self.runner.sample(logits, [s.spec.sampling for s in batch], steps)
         for seq, token in zip(batch, tokens, strict=True):
             if not seq.aborted:
                 seq.append(token)
@@ -118,3 +111,8 @@ class DecodeScheduler:
             seq.table.release()
         gone = set(map(id, leaving))
         self.running = [s for s in self.running if id(s) not in gone]
+
+
+def decodings(batch: list[Sequence]) -> list[Decoding]:
+    """What the runner needs of each running sequence: its newest token and where it goes."""
+    return [Decoding(s.table, s.tokens[-1], s.cached_tokens) for s in batch]

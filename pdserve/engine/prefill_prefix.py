@@ -19,7 +19,8 @@ import torch
 
 from pdserve.core.block_pool import BlockPool, BlockTable, PoolExhausted
 from pdserve.core.config import ModelConfig
-from pdserve.engine.paged_cache import DecodeStepKv, PagedCache, PromptChunk
+from pdserve.engine.model_runner import ModelRunner, PromptPiece
+from pdserve.engine.paged_cache import DecodeStepKv, PagedCache
 from pdserve.models.protocol import CausalLM, LayerKvCallback
 
 
@@ -41,9 +42,9 @@ class CachedPrompt:
 class PrefixCachedPrefill:
     def __init__(self, model: CausalLM, config: ModelConfig, tokens: int, block_size: int) -> None:
         blocks = tokens // block_size
-        self.model = model
         self.pool = BlockPool(blocks, block_size, prefix_cache=True)
         self.cache = PagedCache(config, blocks, block_size)
+        self.runner = ModelRunner(model, self.cache)
 
     def reserve(self, prompt: tuple[int, ...], salt: bytes = b"") -> BlockTable | None:
         """Room for the prompt, starting with its longest prefix cached under `salt`; None when
@@ -66,17 +67,8 @@ class PrefixCachedPrefill:
         return logits
 
     def _forward(self, prompts: list[CachedPrompt]) -> torch.Tensor:
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        for p in prompts:
-            p.table.ensure(len(p.prompt))
-            tokens += p.prompt[p.start :]
-            positions += range(p.start, len(p.prompt))
-            rows.append(len(tokens) - 1)
-        chunks = [PromptChunk(p.table, p.start, len(p.prompt)) for p in prompts]
-        view = _ForwardingView(self.cache.step_view([], [], chunks), self.cache, prompts)
-        return self.model.decode_paged(tokens, positions, view, rows)
+        pieces = [PromptPiece(p.table, p.prompt, p.start, len(p.prompt)) for p in prompts]
+        return self.runner.run([], pieces, lambda view: _ForwardingView(view, self.cache, prompts))
 
 
 class _ForwardingView:

@@ -43,7 +43,9 @@ OUTPUT_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
+    "gguf_source.json",
 )
+SOURCE_NOTE = "gguf_source.json"  # the GGUF's name and how many of its tensors are Q4_1
 
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type values
 
@@ -174,6 +176,14 @@ def convert(gguf_path, out_dir) -> None:
     )
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(metadata, config, template))
     (out_dir / "chat_template.jinja").write_text(template or "", encoding="utf-8")
+    _write_json(out_dir / SOURCE_NOTE, _source_note(metadata, Path(gguf_path)))
+
+
+def _source_note(meta: "_Metadata", path: Path) -> dict:
+    from gguf import GGMLQuantizationType
+
+    q4_1 = [t for t in meta.tensors.values() if t.tensor_type == GGMLQuantizationType.Q4_1]
+    return {"file": path.name, "q4_1_tensors": len(q4_1)}
 
 
 class _Metadata:
@@ -535,6 +545,13 @@ def _tokenizer_config(meta: _Metadata, config: dict, template: str | None) -> di
 # --- 4-bit blocks as they are -----------------------------------------------------------------
 
 Q4_1_GROUP = 32  # weights per Q4_1 block: fp16 scale d, fp16 minimum m, 16 bytes of nibbles
+
+
+def holds_q4_1(converted: Path) -> bool:
+    """Whether the GGUF a converted directory came from holds Q4_1 blocks (read from the note
+    the conversion left, since opening the GGUF again takes seconds)."""
+    note = json.loads((converted / SOURCE_NOTE).read_text(encoding="utf-8"))
+    return note.get("q4_1_tensors", 0) > 0
 
 
 def q4_1_tensors(gguf_path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:

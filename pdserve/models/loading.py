@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.core.config import ModelConfig
+from pdserve.core.config import AUTO_WEIGHTS, ModelConfig
 from pdserve.models import checkpoint
 from pdserve.models.tokenizer import ByteTokenizer, Tokenizer
 
@@ -53,7 +53,8 @@ class ServedModel:
 def load_served_model(
     ref: str, dtype: str = "", weights: bool = True, weight_format: str = "dense"
 ) -> ServedModel:
-    """`weight_format` (--weights) is how the linear layers hold their weights."""
+    """`weight_format` (--weights) is how the linear layers hold their weights; `auto` picks
+    q4 for a bfloat16 model from a GGUF, dense for any other."""
     served = _describe(ref, dtype, weight_format)
     if weights:
         from pdserve.models.registry import build
@@ -64,11 +65,18 @@ def load_served_model(
 
 def _describe(ref: str, dtype: str, weight_format: str) -> ServedModel:
     if ref.lower() == TINYGPT:
-        config = ModelConfig(dtype=dtype or "float32", weights=weight_format)
+        dense = weight_format == AUTO_WEIGHTS
+        config = ModelConfig(dtype=dtype or "float32", weights="dense" if dense else weight_format)
         return ServedModel(TINYGPT, config, ByteTokenizer(), fingerprint(config, []))
+    from pdserve.models import gguf_import  # numpy only: the router may import it
+
     gguf = _gguf_file(ref)
     directory = _checkpoint_dir(ref, gguf)
-    config = dataclasses.replace(checkpoint.model_config(directory, dtype), weights=weight_format)
+    config = checkpoint.model_config(directory, dtype)
+    if weight_format == AUTO_WEIGHTS:
+        ships_q4 = gguf is not None and gguf_import.holds_q4_1(directory)
+        weight_format = "q4" if ships_q4 and config.dtype == "bfloat16" else "dense"
+    config = dataclasses.replace(config, weights=weight_format)
     files = checkpoint.weight_files(directory)
     name = (
         Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() else ref

@@ -13,6 +13,7 @@ from pdserve.core.block_pool import BlockPool
 from pdserve.engine.chunked_prefill import ChunkedPrefill, Handle
 from pdserve.engine.decode_scheduler import DecodeScheduler
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler
 from pdserve.core.request import GenerateSpec
@@ -28,11 +29,10 @@ class ColocatedEngine:
         self.pool = BlockPool(d.num_blocks, d.block_size)
         self.cache = PagedCache(served.config, d.num_blocks, d.block_size)
         self.prefill = PrefillScheduler(self.model, p.max_batch_size, p.max_batch_tokens)
-        self.decode = DecodeScheduler(self.model, served.tokenizer, self.cache, d.max_batch)
+        runner = ModelRunner(self.model, self.cache)
+        self.decode = DecodeScheduler(runner, served.tokenizer, d.max_batch)
         self.chunk_tokens = settings.chunk_tokens
-        self.chunked = ChunkedPrefill(
-            self.model, self.cache, self.decode, settings.chunk_tokens, "colocated"
-        )
+        self.chunked = ChunkedPrefill(runner, self.decode, settings.chunk_tokens, "colocated")
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self._crashed)
 
     def has_work(self) -> bool:

@@ -1,8 +1,10 @@
 """The Router API served by the colocated engine, so one client and one benchmark drive both."""
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -17,7 +19,6 @@ from pdserve.rpc.errors import ServiceError
 from pdserve.rpc.server import (
     Admission,
     Server,
-    admitted,
     emission_queue,
     instance_name,
     run_until_signalled,
@@ -27,6 +28,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.engine.chunked_prefill import Handle
 from pdserve.services.colocated.engine import ColocatedEngine
+from pdserve.services.router import http_api
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,30 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
         self.engine = ColocatedEngine(served, settings)
         self.admission = Admission()
 
-    @admitted
     async def Generate(self, request: pb.GenerateRequest, context):
+        tokenizer = self.served.tokenizer
+        responses = self.generate(lambda: convert.spec_from_generate(request, tokenizer), None, "")
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                yield response
+
+    @property
+    def serving(self) -> bool:
+        return not self.admission.draining
+
+    async def generate(
+        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None, client: str
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """One request, whichever front it came through (gRPC or HTTP); as the router's
+        `generate`, so http_api serves both. Raises what pdserve.rpc.errors maps to a status."""
+        self.admission.refuse_if_draining()
+        with self.admission.track():
+            async for response in self._run(make_spec()):
+                yield response
+
+    async def _run(self, unchecked: GenerateSpec) -> AsyncGenerator[pb.GenerateResponse, None]:
         received = time.perf_counter()
-        spec = validate(convert.spec_from_generate(request, self.served.tokenizer), self.config)
+        spec = validate(unchecked, self.config)
         events, sink = emission_queue()
         handle = await self._submit(spec, sink)
         try:
@@ -133,8 +155,13 @@ async def serve(served: ServedModel, settings: ColocatedSettings) -> None:
     pb_grpc.add_RouterServiceServicer_to_server(servicer, server.grpc)
     model_info.add_to_server(served, server.grpc)
     servicer.engine.loop.start()
+    http = None
+    if settings.http_port:
+        http = await http_api.start(servicer, served, settings.common, settings.http_port, "")
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.cleanup()
         servicer.engine.loop.stop()
 
     await run_until_signalled(

@@ -11,6 +11,7 @@ from pdserve.core.block_pool import BlockPool
 from pdserve.engine.chunked_prefill import ChunkedPrefill, Handle
 from pdserve.engine.decode_scheduler import DecodeScheduler
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.engine.sequence import Sequence
 from pdserve.models.loading import ServedModel
@@ -25,11 +26,10 @@ class DecodeEngine:
         self.config = served.config
         self.pool = BlockPool(settings.num_blocks, settings.block_size, settings.prefix_cache)
         self.cache = PagedCache(self.config, settings.num_blocks, settings.block_size)
-        self.scheduler = DecodeScheduler(
-            served.built, served.tokenizer, self.cache, settings.max_batch
-        )
+        runner = ModelRunner(served.built, self.cache)
+        self.scheduler = DecodeScheduler(runner, served.tokenizer, settings.max_batch)
         self.local = ChunkedPrefill(
-            served.built, self.cache, self.scheduler, settings.local_prefill_chunk_tokens, "decode"
+            runner, self.scheduler, settings.local_prefill_chunk_tokens, "decode"
         )
         self.faults = settings.common.faults
         self.steps = 0

@@ -3,7 +3,8 @@
 aiohttp, because it is an HTTP/1.1 server (not a parser of our own) that runs on the router's own
 asyncio loop: a request goes through RouterServicer.generate, the same admission, reservation,
 prefill and relay as a gRPC Generate call, with no thread or process hop and no copy of the
-handoff logic. (An ASGI stack would need a second server and loop.)
+handoff logic. (An ASGI stack would need a second server and loop.) The colocated engine serves
+the same API through its own `generate` (a Backend), so one client measures both.
 
     POST /v1/chat/completions   messages through the model's chat template
     POST /v1/completions        a text prompt, or token ids
@@ -21,19 +22,19 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
 from pdserve import metrics
 from pdserve.models.loading import ServedModel
+from pdserve.core.request import GenerateSpec
 from pdserve.rpc.tls import Tls, check_plaintext_allowed
-from pdserve.settings import RouterSettings
+from pdserve.settings import CommonSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router import openai_format as fmt
-from pdserve.rpc.errors import http_status
+from pdserve.rpc.errors import http_status, status_of
 from pdserve.services.router.clients import ApiKeys
-from pdserve.services.router.errors import RouterError
 from pdserve.services.router.openai_schema import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -43,8 +44,19 @@ from pdserve.services.router.openai_schema import (
     parse_completion,
 )
 
-if TYPE_CHECKING:  # server.py starts this front
-    from pdserve.services.router.server import RouterServicer
+
+class Backend(Protocol):
+    """What serves the requests: the router (RouterServicer) or the colocated engine."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    def generate(
+        self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None, client: str
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The request's responses; raises what pdserve.rpc.errors maps to a status."""
+        ...
+
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +67,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpApi:
-    def __init__(self, router: "RouterServicer", served: ServedModel, api_key: str) -> None:
+    def __init__(self, router: Backend, served: ServedModel, api_key: str) -> None:
         self.router, self.served = router, served
         self._keys = ApiKeys(api_key)
         self._started = int(time.time())
@@ -149,10 +161,13 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
     except BadRequest as exc:
         return _error_response(400, fmt.error(str(exc), "invalid_request_error", exc.param))
-    except RouterError as exc:
-        status, kind = http_status(exc.code)
+    except Exception as exc:  # a domain failure has a status; anything else is a bug
+        code = status_of(exc)
+        if code is None:
+            raise
+        status, kind = http_status(code)
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else {}
-        return _error_response(status, fmt.error(str(exc), kind, code=exc.code.name), headers)
+        return _error_response(status, fmt.error(str(exc), kind, code=code.name), headers)
     except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413
         if exc.status < 400:
             raise
@@ -201,9 +216,12 @@ async def _stream(
     await stream.prepare(request)
     try:
         await _events(stream, reply, first, responses, include_usage)
-    except RouterError as exc:  # after the headers: the failure becomes the last event
-        _, kind = http_status(exc.code)
-        await _send(stream, fmt.error(str(exc), kind, code=exc.code.name))
+    except Exception as exc:  # after the headers: the failure becomes the last event
+        code = status_of(exc)
+        if code is None:
+            raise
+        _, kind = http_status(code)
+        await _send(stream, fmt.error(str(exc), kind, code=code.name))
         return stream
     await stream.write(b"data: [DONE]\n\n")
     return stream
@@ -241,24 +259,23 @@ def _dumps(obj: object) -> str:
 
 
 async def start(
-    router: "RouterServicer", served: ServedModel, settings: RouterSettings
+    router: Backend, served: ServedModel, common: CommonSettings, http_port: int, api_key: str
 ) -> web.AppRunner:
     """Serves the API on --host:--http-port; the caller stops it with `runner.cleanup()`."""
-    api = HttpApi(router, served, settings.api_key)
+    api = HttpApi(router, served, api_key)
     # handler_cancellation: a client that disconnects cancels its handler (and so its request);
     # no access log: requests are counted in metrics, and a log line per token stream is noise.
     runner = web.AppRunner(
         api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_SECONDS
     )
-    common = settings.common
     # HTTPS with the router's own certificate when it has one; plaintext only where gRPC
     # plaintext would be allowed too (loopback, or --insecure).
     tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
     if tls is None:
-        check_plaintext_allowed(common.host, common.insecure, f"HTTP API port {settings.http_port}")
+        check_plaintext_allowed(common.host, common.insecure, f"HTTP API port {http_port}")
     await runner.setup()
     site = web.TCPSite(
-        runner, common.host, settings.http_port, ssl_context=tls.https_context() if tls else None
+        runner, common.host, http_port, ssl_context=tls.https_context() if tls else None
     )
     try:
         await site.start()
@@ -269,7 +286,7 @@ async def start(
         "HTTP API (OpenAI-compatible) on %s://%s:%d%s",
         "https" if tls else "http",
         common.host,
-        settings.http_port,
-        ", API key required on /v1/*" if settings.api_key else "",
+        http_port,
+        ", API key required on /v1/*" if api_key else "",
     )
     return runner

@@ -510,7 +510,11 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
     metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
     refresher = asyncio.create_task(servicer.refresh_forever(server))
-    http = await http_api.start(servicer, served, settings) if settings.http_port else None
+    http = None
+    if settings.http_port:
+        http = await http_api.start(
+            servicer, served, settings.common, settings.http_port, settings.api_key
+        )
 
     async def on_stop() -> None:
         refresher.cancel()
