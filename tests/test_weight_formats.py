@@ -80,9 +80,10 @@ def test_the_gguf_4_bit_blocks_are_the_converted_weights():
     dequantized (before its rounding to bfloat16), for every Q4_1 tensor checked."""
     from safetensors.torch import load_file
 
-    blocks = q4_1_tensors(smollm2_gguf_path())
+    directory = ensure_converted(smollm2_gguf_path())
+    blocks = q4_1_tensors(directory)
     assert len(blocks) == 30 * 7  # every projection of every layer
-    converted = load_file(str(ensure_converted(smollm2_gguf_path()) / "model.safetensors"))
+    converted = load_file(str(directory / "model.safetensors"))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
         codes, scales, minimums = blocks[name]
         rows, columns = codes.shape

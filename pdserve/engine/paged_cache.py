@@ -115,8 +115,11 @@ class DecodeStepKv:
             )
             for members in buckets_by_length(lengths)
         ]
-        if self.buckets:
-            self._order = torch.tensor([i for b in self.buckets for i in b.members]).argsort()
+        members = [i for b in self.buckets for i in b.members]
+        # None where one bucket holds the sequences in batch order (sequences about as long as
+        # each other, the usual case): no gather of q and no reordering of the output.
+        in_order = len(self.buckets) == 1 and members == list(range(len(members)))
+        self._order = None if in_order or not members else torch.tensor(members).argsort()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
@@ -126,14 +129,15 @@ class DecodeStepKv:
         if self.buckets:
             decode_out = [
                 attention.padded_decode(
-                    q[b.index],
+                    q[: self._decodes] if self._order is None else q[b.index],
                     b.gather(keys, self._cache, "k"),
                     b.gather(values, self._cache, "v"),
                     b.mask,
                 )
                 for b in self.buckets
             ]
-            outs.append(torch.cat(decode_out)[self._order])
+            ordered = decode_out[0] if self._order is None else torch.cat(decode_out)[self._order]
+            outs.append(ordered)
         row = self._decodes
         for chunk in self._chunks:
             rows = slice(row, row + chunk.tokens)
@@ -141,7 +145,7 @@ class DecodeStepKv:
                 attention.causal(q[rows], chunk.gather(keys), chunk.gather(values), chunk.start)
             )
             row += chunk.tokens
-        return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @dataclass(frozen=True)

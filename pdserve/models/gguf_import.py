@@ -43,9 +43,11 @@ OUTPUT_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
-    "gguf_source.json",
+    "q4_1_blocks.safetensors",
 )
-SOURCE_NOTE = "gguf_source.json"  # the GGUF's name and how many of its tensors are Q4_1
+# The GGUF's Q4_1 tensors, block by block as the file holds them (none for another format), so
+# that serving them (--weights q4) does not reopen the GGUF, which takes seconds.
+Q4_1_FILE = "q4_1_blocks.safetensors"
 
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type values
 
@@ -176,14 +178,7 @@ def convert(gguf_path, out_dir) -> None:
     )
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(metadata, config, template))
     (out_dir / "chat_template.jinja").write_text(template or "", encoding="utf-8")
-    _write_json(out_dir / SOURCE_NOTE, _source_note(metadata, Path(gguf_path)))
-
-
-def _source_note(meta: "_Metadata", path: Path) -> dict:
-    from gguf import GGMLQuantizationType
-
-    q4_1 = [t for t in meta.tensors.values() if t.tensor_type == GGMLQuantizationType.Q4_1]
-    return {"file": path.name, "q4_1_tensors": len(q4_1)}
+    _write_q4_1_blocks(out_dir / Q4_1_FILE, metadata)
 
 
 class _Metadata:
@@ -548,37 +543,56 @@ Q4_1_GROUP = 32  # weights per Q4_1 block: fp16 scale d, fp16 minimum m, 16 byte
 
 
 def holds_q4_1(converted: Path) -> bool:
-    """Whether the GGUF a converted directory came from holds Q4_1 blocks (read from the note
-    the conversion left, since opening the GGUF again takes seconds)."""
-    note = json.loads((converted / SOURCE_NOTE).read_text(encoding="utf-8"))
-    return note.get("q4_1_tensors", 0) > 0
+    """Whether the GGUF a converted directory came from holds Q4_1 blocks."""
+    from safetensors import safe_open
+
+    with safe_open(str(converted / Q4_1_FILE), "numpy") as f:
+        return bool(list(f.keys()))
 
 
-def q4_1_tensors(gguf_path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Every Q4_1 tensor of the file, by Hugging Face name, as (codes, scales, minimums).
+def q4_1_tensors(converted: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every Q4_1 tensor of the converted GGUF, by Hugging Face name, as (codes, scales,
+    minimums).
 
     codes are uint8 [rows, columns] in 0..15, scales and minimums float32 [rows, columns / 32];
-    a weight is codes * scale + minimum, exactly as llama.cpp reads it. Q and K rows are put
-    back in Hugging Face order (a row permutation, which leaves every block whole).
+    a weight is codes * scale + minimum, exactly as llama.cpp reads it. Q and K rows are in
+    Hugging Face order (a row permutation, which leaves every block whole).
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from safetensors.numpy import load_file
 
-    reader = GGUFReader(gguf_path)
-    meta = _Metadata(reader, Path(gguf_path))
-    config = _model_config(meta)
+    stored = load_file(str(converted / Q4_1_FILE))
     found = {}
+    for key in stored:
+        name, _, part = key.rpartition(":")
+        if part != "nibbles":
+            continue
+        nibbles = stored[key]  # [rows, columns / 2]: column 2j low, 2j + 1 high
+        codes = np.stack([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(nibbles.shape[0], -1)
+        scales = stored[name + ":scales"].astype(np.float32)
+        found[name] = (codes, scales, stored[name + ":minimums"].astype(np.float32))
+    return found
+
+
+def _write_q4_1_blocks(path: Path, meta: "_Metadata") -> None:
+    """Each Q4_1 tensor's codes (two a byte), fp16 scales and fp16 minimums, in HF row order."""
+    from gguf import GGMLQuantizationType
+    from safetensors.numpy import save_file
+
+    config = _model_config(meta)
+    arrays: dict[str, np.ndarray] = {}
     for gguf_name, tensor in meta.tensors.items():
         if tensor.tensor_type != GGMLQuantizationType.Q4_1:
             continue
         name = _hf_name(meta, gguf_name)
         rows, columns = (int(d) for d in reversed(tensor.shape.tolist()))
-        codes, scales, minimums = _q4_1_blocks(np.asarray(tensor.data), rows, columns)
-        found[name] = (
-            _hf_rows(codes, name, config),
-            _hf_rows(scales, name, config),
-            _hf_rows(minimums, name, config),
+        codes, scales, minimums = (
+            _hf_rows(part, name, config)
+            for part in _q4_1_blocks(np.asarray(tensor.data), rows, columns)
         )
-    return found
+        arrays[name + ":nibbles"] = np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
+        arrays[name + ":scales"] = np.ascontiguousarray(scales.astype(np.float16))
+        arrays[name + ":minimums"] = np.ascontiguousarray(minimums.astype(np.float16))
+    save_file(arrays, str(path), metadata={"format": "Q4_1 blocks", "source": meta.path.name})
 
 
 def _q4_1_blocks(
@@ -587,8 +601,8 @@ def _q4_1_blocks(
     """llama.cpp's block_q4_1: d, m (fp16), then byte j holds weight j (low nibble) and weight
     j + 16 (high nibble)."""
     blocks = raw.reshape(rows, columns // Q4_1_GROUP, 20)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    minimums = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    minimums = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     nibbles = blocks[..., 4:]
     codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, columns)
     return codes, scales, minimums

@@ -40,7 +40,9 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
     model.load_state_dict({n: t.to(dtype) for n, t in tensors.items()}, strict=True, assign=True)
     count = parameter_count(model)
     if isinstance(model, LlamaForCausalLM):
-        model.use_weights(config.weights, _q4_blocks(gguf) if config.weights == "q4" else {})
+        model.use_weights(
+            config.weights, _q4_blocks(source, gguf) if config.weights == "q4" else {}
+        )
     log.info(
         "loaded %s from %s: %.1fM parameters in %s, linear layers %s, %.1f s",
         config.architecture,
@@ -53,14 +55,15 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
     return model.eval()
 
 
-def _q4_blocks(gguf: Path | None) -> dict:
-    """The GGUF's own Q4_1 blocks as tensors; none where the checkpoint did not come from one
-    (its 4-bit blocks are then computed from the dense weights)."""
+def _q4_blocks(converted: Path, gguf: Path | None) -> dict:
+    """The GGUF's own Q4_1 blocks as tensors, kept beside its conversion; none where the
+    checkpoint did not come from one (its 4-bit blocks are then computed from the dense
+    weights)."""
     if gguf is None:
         return {}
     from pdserve.models.gguf_import import q4_1_tensors
 
     return {
         name: tuple(torch.from_numpy(part) for part in parts)
-        for name, parts in q4_1_tensors(gguf).items()
+        for name, parts in q4_1_tensors(converted).items()
     }
