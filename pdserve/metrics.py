@@ -99,6 +99,13 @@ PREFILL_BATCH = Histogram(
 DECODE_BATCH = Histogram(
     "pdserve_decode_batch_size", "Sequences per decode step", ["service"], buckets=BATCH_BUCKETS
 )
+QUEUE_SECONDS = Histogram(
+    "pdserve_queue_wait_seconds",
+    "How long a prompt waited for its prefill batch: growing waits mean prefill is the "
+    "bottleneck (too few prefill cores for the arrival of long prompts)",
+    ["service"],
+    buckets=LATENCY_BUCKETS,
+)
 STEP_SECONDS = Histogram(
     "pdserve_engine_step_seconds",
     "One prefill batch or decode step",

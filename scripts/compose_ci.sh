@@ -10,7 +10,7 @@
 #   scale   --scale decode=2; both replicas must serve requests
 #   metrics pdserve_handoff_seconds from each service's /metrics and from Prometheus' HTTP API
 #   model   the stack again with the default model (SmolLM2, converted in the image): one chat
-#           question, the reply must name Paris; no container may convert the model itself
+#           question, the reply must name Tokyo; no container may convert the model itself
 #   down    down -v; nothing of the stack left; dockerd stopped if this script started it
 #
 # Every wait is bounded; any failure exits non-zero (after dumping the services' logs).
@@ -387,12 +387,12 @@ phase model
 # conversion the image holds. Compose recreates router, prefill and decode (back to one replica).
 quiet model-up 300 env PDSERVE_MODEL= "${COMPOSE[@]}" up -d --no-build --scale decode=1
 wait_healthy 180 || fail "services not healthy in time with the default model"
-timeout 60 "$ROOT/.venv/bin/pdserve" generate --chat "What is the capital of France?" \
+timeout 60 "$ROOT/.venv/bin/pdserve" generate --chat "What is the capital of Japan?" \
   --address "127.0.0.1:$ROUTER_PORT" >"$LOGS/chat.out" 2>"$LOGS/chat.err" \
   || { cat "$LOGS/chat.out" "$LOGS/chat.err" >&2; fail "pdserve generate --chat failed"; }
 echo "  $(cat "$LOGS/chat.out")"
 echo "  $(tail -1 "$LOGS/chat.err")"
-grep -q "Paris" "$LOGS/chat.out" || fail "the default model's reply does not name Paris"
+grep -q "Tokyo" "$LOGS/chat.out" || fail "the default model's reply does not name Tokyo"
 # (The image build already fails if the default model would be converted again; this is the
 # containers' side of it: gguf_import logs every conversion.)
 "${COMPOSE[@]}" logs --no-color router prefill decode >"$LOGS/model.log" 2>&1

@@ -239,7 +239,7 @@ def test_up_hands_model_and_dtype_to_every_service():
     for role, command in commands.items():
         argv = command[command.index("serve") :]  # after `python -m pdserve.cli`
         common = cfg.settings_from_args(role, build_parser().parse_args(argv)).common
-        assert (common.model, common.dtype, common.weights) == ("tinygpt", "bfloat16", "dense")
+        assert (common.model, common.dtype, common.weights) == ("tinygpt", "bfloat16", "auto")
 
 
 def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
@@ -250,7 +250,7 @@ def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
         "--dtype",
         "",
         "--weights",
-        "dense",
+        "auto",
     ]
 
 

@@ -21,7 +21,7 @@ from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import TcpKvSink
 from pdserve.models.loading import ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
-from pdserve.rpc.errors import ServiceError
+from pdserve.rpc.errors import RateLimitedLog, ServiceError
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -36,6 +36,10 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+# A prompt that waited longer than this for its batch is logged (at most every 10 s): prefill is
+# then the bottleneck, and its TTFT grows with every long prompt that arrives.
+SLOW_QUEUE_SECONDS = 1.0
+_slow_queue = RateLimitedLog(10.0)
 
 # Decode addresses come from the router; a bound keeps a stream of new ones from piling up.
 MAX_DECODE_CHANNELS = 64
@@ -234,6 +238,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         metrics.record_handoff("prefill", handoff, committed.bytes)
         metrics.KV_TRANSFERS.labels("prefill", sink.transport).inc()
         metrics.REQUESTS.labels("prefill", "ok", "OK").inc()
+        metrics.QUEUE_SECONDS.labels("prefill").observe(timing.queue_seconds)
+        if timing.queue_seconds > SLOW_QUEUE_SECONDS:
+            _slow_queue.warning(
+                "prefill is the bottleneck: request %s waited %.1f s for its batch, %d more "
+                "waiting (more prefill cores or instances would shorten this)",
+                request_id,
+                timing.queue_seconds,
+                self.scheduler.queue_depth,
+            )
         if self.prefix is not None:
             metrics.record_prefix_lookup(
                 "prefill", len(sink.target.prompt_token_ids), timing.cached_tokens

@@ -161,13 +161,6 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
     except BadRequest as exc:
         return _error_response(400, fmt.error(str(exc), "invalid_request_error", exc.param))
-    except Exception as exc:  # a domain failure has a status; anything else is a bug
-        code = status_of(exc)
-        if code is None:
-            raise
-        status, kind = http_status(code)
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else {}
-        return _error_response(status, fmt.error(str(exc), kind, code=code.name), headers)
     except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413
         if exc.status < 400:
             raise
@@ -175,6 +168,13 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error_response(
             exc.status, fmt.error(message or exc.reason, "invalid_request_error")
         )
+    except Exception as exc:  # a domain failure has a status; anything else is a bug
+        code = status_of(exc)
+        if code is None:
+            raise
+        status, kind = http_status(code)
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else {}
+        return _error_response(status, fmt.error(str(exc), kind, code=code.name), headers)
 
 
 def _error_response(status: int, body: dict, headers: dict | None = None) -> web.Response:
