@@ -43,11 +43,12 @@ OUTPUT_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
-    "q4_1_blocks.safetensors",
+    "pdserve-q4_1/blocks.safetensors",
 )
 # The GGUF's Q4_1 tensors, block by block as the file holds them (none for another format), so
-# that serving them (--weights q4) does not reopen the GGUF, which takes seconds.
-Q4_1_FILE = "q4_1_blocks.safetensors"
+# that serving them (--weights q4) does not reopen the GGUF, which takes seconds. In a folder of
+# its own: loaders of the checkpoint (vLLM, transformers) read every top-level *.safetensors.
+Q4_1_FILE = "pdserve-q4_1/blocks.safetensors"
 
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type values
 
@@ -592,6 +593,7 @@ def _write_q4_1_blocks(path: Path, meta: "_Metadata") -> None:
         arrays[name + ":nibbles"] = np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
         arrays[name + ":scales"] = np.ascontiguousarray(scales.astype(np.float16))
         arrays[name + ":minimums"] = np.ascontiguousarray(minimums.astype(np.float16))
+    path.parent.mkdir(exist_ok=True)
     save_file(arrays, str(path), metadata={"format": "Q4_1 blocks", "source": meta.path.name})
 
 
