@@ -233,7 +233,12 @@ def test_cache_root_from_environment(gguf_path, tmp_path, monkeypatch):
 
 def _fake_convert(path, out_dir):
     for name in OUTPUT_FILES:
-        (out_dir / name).write_text("ours")
+        _write(out_dir / name, "ours")
+
+
+def _write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)  # the 4-bit blocks have a folder of their own
+    path.write_text(text)
 
 
 def test_lost_race_uses_the_winner(tmp_path, monkeypatch):
@@ -245,7 +250,7 @@ def test_lost_race_uses_the_winner(tmp_path, monkeypatch):
         _fake_convert(path, out_dir)
         target.mkdir(parents=True)
         for name in OUTPUT_FILES:
-            (target / name).write_text("theirs")
+            _write(target / name, "theirs")
 
     monkeypatch.setattr(gguf_import, "convert", convert_while_another_process_wins)
     assert ensure_converted(source, tmp_path / "cache") == target
