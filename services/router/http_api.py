@@ -169,12 +169,19 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
             exc.status, fmt.error(message or exc.reason, "invalid_request_error")
         )
     except Exception as exc:  # a domain failure has a status; anything else is a bug
-        code = status_of(exc)
-        if code is None:
-            raise
-        status, kind = http_status(code)
+        status, body = _domain_error(exc)
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else {}
-        return _error_response(status, fmt.error(str(exc), kind, code=code.name), headers)
+        return _error_response(status, body, headers)
+
+
+def _domain_error(exc: Exception) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body of a failure the error table knows; re-raises
+    anything else (a bug)."""
+    code = status_of(exc)
+    if code is None:
+        raise exc
+    status, kind = http_status(code)
+    return status, fmt.error(str(exc), kind, code=code.name)
 
 
 def _error_response(status: int, body: dict, headers: dict | None = None) -> web.Response:
@@ -217,11 +224,7 @@ async def _stream(
     try:
         await _events(stream, reply, first, responses, include_usage)
     except Exception as exc:  # after the headers: the failure becomes the last event
-        code = status_of(exc)
-        if code is None:
-            raise
-        _, kind = http_status(code)
-        await _send(stream, fmt.error(str(exc), kind, code=code.name))
+        await _send(stream, _domain_error(exc)[1])
         return stream
     await stream.write(b"data: [DONE]\n\n")
     return stream
