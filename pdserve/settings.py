@@ -251,6 +251,7 @@ class PrefillSettings:
             raise ValueError(
                 f"--kv-transport {self.kv_transport!r}: expected one of {', '.join(KV_TRANSPORTS)}"
             )
+        _host_ports(self, "decode_allow")
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,7 @@ class RouterSettings:
             raise ValueError(
                 "the router needs at least one prefill and one decode address (--prefill, --decode)"
             )
+        _host_ports(self, "prefill", "decode")
         _positive(
             self, "max_queue", "queue_timeout_seconds", "max_attempts", "request_timeout_seconds"
         )
@@ -414,6 +416,28 @@ def _positive(settings, *names: str) -> None:
             raise ValueError(
                 f"{_described(settings, name)} must be positive, got {getattr(settings, name)}"
             )
+
+
+def _host_ports(settings, *names: str) -> None:
+    """Each address of a list setting is host:port, checked at start (not at the first call)."""
+    for name in names:
+        for value in getattr(settings, name):
+            try:
+                parse_host_port(value)
+            except ValueError as exc:
+                raise ValueError(f"{_described(settings, name)}: {exc}") from None
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """'host:port', '[v6]:port' -> (host, port); ValueError saying what is wrong."""
+    host, colon, port = value.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not colon or not host or (":" in host and not bracketed):
+        raise ValueError(f"{value!r} is not host:port (an IPv6 host goes in brackets: [::1]:50052)")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r}: the port must be a number from 1 to 65535")
+    return host, int(port)
 
 
 def _one_of(settings, name: str, choices: tuple, value=None) -> None:

@@ -21,6 +21,9 @@ from pdserve.services.router.clients import ApiKeys
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 KEYS = "key-of-alice,key-of-bob"
+# A slow rate, so that a request of 63 tokens overdraws its client's bucket (2 s of the rate)
+# unless it took over 10 s: the refusals below do not depend on this machine's speed.
+RATE_PER_S = "5"
 
 
 @pytest.fixture(scope="module")
@@ -118,24 +121,28 @@ def test_streams_beyond_the_per_client_limit_are_refused_by_name(router_with):
 
 
 def test_a_client_over_its_token_rate_waits_and_the_others_do_not(router_with):
-    """20 tokens/s, so a bucket of 40: a request of 3 + 60 tokens overdraws it. Alice's next
-    request is refused with the time to wait; Bob's is served; after that wait, Alice's too."""
-    stack = router_with("--api-key", KEYS, "--max-tokens-per-second-per-client", "20")
+    """5 tokens/s, so a bucket of 10: a request of 3 + 60 tokens overdraws it unless it took
+    over 10 s (RATE_PER_S). Alice's next request is refused with the time to wait; Bob's is
+    served; after that wait, Alice's too."""
+    stack = router_with("--api-key", KEYS, "--max-tokens-per-second-per-client", RATE_PER_S)
     stub = stack.router_stub()
     assert len(generate_as(stub, greedy_request([1, 2, 3], 60), "key-of-alice")) == 60
     err = refusal(lambda: generate_as(stub, greedy_request([1], 2), "key-of-alice"))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "--max-tokens-per-second-per-client 20" in err.details() and "try again" in err.details()
+    assert f"--max-tokens-per-second-per-client {RATE_PER_S}" in err.details()
+    assert "try again" in err.details()
     assert len(generate_as(stub, greedy_request([1], 2), "key-of-bob")) == 2
     request = greedy_request([1], 2)
-    assert wait_until(lambda: served_as(stub, request, "key-of-alice"), 10, "Alice's bucket")
+    assert wait_until(lambda: served_as(stub, request, "key-of-alice"), 30, "Alice's bucket")
 
 
 def test_without_keys_a_client_is_its_address_and_http_shares_the_limits(router_with):
     """No keys: every caller here is 127.0.0.1, one client, over gRPC and HTTP alike. HTTP
     answers the refusal 429 in OpenAI's error shape, naming the limit."""
     http_port = free_port()
-    stack = router_with("--http-port", str(http_port), "--max-tokens-per-second-per-client", "20")
+    stack = router_with(
+        "--http-port", str(http_port), "--max-tokens-per-second-per-client", RATE_PER_S
+    )
     stub = stack.router_stub()
     assert len(generate(stub, greedy_request([1, 2, 3], 60))[0]) == 60
     body = json.dumps({"model": "tinygpt", "prompt": "hi", "max_tokens": 2}).encode()
@@ -148,6 +155,42 @@ def test_without_keys_a_client_is_its_address_and_http_shares_the_limits(router_
         urllib.request.urlopen(request, timeout=10)
     assert err.value.code == 429
     assert "--max-tokens-per-second-per-client" in json.load(err.value)["error"]["message"]
+
+
+def test_over_http_a_client_with_a_key_is_its_key_not_its_address(router_with):
+    """Alice and Bob call from the same address with their own keys. Alice overdraws her token
+    rate over HTTP: her next request is refused, over HTTP and gRPC alike, while Bob's is
+    served. Counted by address, Bob would be refused too."""
+    http_port = free_port()
+    stack = router_with(
+        "--api-key",
+        KEYS,
+        "--http-port",
+        str(http_port),
+        "--max-tokens-per-second-per-client",
+        RATE_PER_S,
+    )
+    assert http_completion(http_port, "key-of-alice", 60) == 200
+    assert http_completion(http_port, "key-of-alice", 2) == 429
+    err = refusal(lambda: generate_as(stack.router_stub(), greedy_request([1], 2), "key-of-alice"))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert http_completion(http_port, "key-of-bob", 2) == 200
+
+
+def http_completion(port: int, key: str, max_tokens: int) -> int:
+    """The HTTP status of one /v1/completions call with `key`, its body read to the end."""
+    body = {"model": "tinygpt", "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def generate_as(stub: pb_grpc.RouterServiceStub, request, key: str) -> list[int]:

@@ -107,6 +107,9 @@ def test_sampling_is_a_function_of_seed_and_step():
         (1.0, 0, 0.8, 2),
         (1.0, 0, 0.95, 3),
         (2.0, 3, 0.99, 3),
+        # top-p applies to the tempered distribution: at T = 1 these would keep 2 tokens.
+        (2.0, 0, 0.8, 3),
+        (0.5, 0, 0.8, 1),
     ],
 )
 def test_sampled_frequencies_follow_the_definition(temperature, top_k, top_p, allowed):
@@ -311,6 +314,23 @@ def test_chunked_prefill_cancelled_at_any_point_frees_the_reservation(cancel_aft
     for _ in range(3):
         engine.step()
     assert handle.table.released and engine.pool.available_blocks == 64
+    assert not engine.has_work()
+
+
+def test_a_sequence_whose_blocks_are_back_is_not_counted_as_running():
+    """Pool stats read at any instant agree: when the last emission arrives (its blocks are back
+    before it), the sequence is no longer counted, though the step has not yet ended."""
+    engine = colocated_engine(chunk_tokens=16)
+    seen = []
+
+    def sink(emission) -> None:
+        if emission.finish_reason is not None:  # what GetPoolStats would read right now
+            seen.append((engine.pool.available_blocks, engine.decode.size))
+
+    engine.submit(GenerateSpec("r", tuple(range(20)), SamplingSpec(max_tokens=4)), sink)
+    for _ in range(8):
+        engine.step()
+    assert seen == [(64, 0)]
     assert not engine.has_work()
 
 

@@ -1,6 +1,7 @@
 """The decode service's ownership rules, driven directly over gRPC with KV computed here."""
 
 import signal
+import threading
 import time
 
 import grpc
@@ -124,12 +125,37 @@ def test_unknown_lease_is_refused(decode):
 
 def test_expired_lease_is_refused_and_its_blocks_return(decode):
     call, lease = reserve(decode, ttl=0.3)
-    assert _stats(decode).free_blocks < _stats(decode).total_blocks
+    assert lease.blocks > 0  # what it held (pool stats read now could already see them back)
     with pytest.raises(grpc.RpcError) as ended:
         list(call)
     assert ended.value.code() == grpc.StatusCode.ABORTED and "expired" in ended.value.details()
     err = push_error(decode, kv_pushes(lease.lease_id))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_lease_receiving_kv_still_expires_at_its_ttl(decode):
+    """KV started arriving, then stopped with no commit: the lease's own time limit ends it,
+    not only the no-first-chunk deadline, and its blocks come back."""
+    ttl = 3.0
+    started = time.monotonic()
+    call, lease = reserve(decode, ttl=ttl)
+    pushes, resume = kv_pushes(lease.lease_id), threading.Event()
+
+    def stalled():
+        yield pushes[0]  # accepted at once: the lease is receiving
+        resume.wait(60)
+
+    push_call = decode.PushKv.future(stalled(), timeout=60)
+    try:
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call)
+    finally:
+        resume.set()
+    assert ended.value.code() == grpc.StatusCode.ABORTED
+    assert "expired before its KV was committed" in ended.value.details()
+    assert time.monotonic() - started >= ttl  # it lived its time, and no more was needed
+    with pytest.raises(grpc.RpcError):
+        push_call.result(timeout=30)  # the stalled stream is refused, not left open
 
 
 def test_commit_is_idempotent_and_a_conflicting_one_is_refused(decode):

@@ -6,6 +6,7 @@ say in its final response which path each request took, and leave decode's pool 
 """
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -101,14 +102,35 @@ def test_local_prefills_beside_running_streams_all_match(stacks):
     wait_until(local.pools_settled, 10, "decode's pool to be whole")
 
 
-def test_a_client_that_leaves_during_a_local_prefill_frees_its_blocks(stacks):
+def test_a_client_that_leaves_a_locally_prefilled_stream_frees_its_blocks_at_once(stacks):
+    """The cancel frees the blocks, not the request's end: the pool is whole again in a small
+    part of the time the rest of the request would take at the rate measured here."""
     local, _ = stacks
-    call = local.router_stub().Generate(greedy_request(list(range(1, 13)), 2000), timeout=30)
-    next(call)
+    wanted, before_cancel = 4000, 20
+    call = local.router_stub().Generate(greedy_request(list(range(1, 13)), wanted), timeout=300)
+    received, first_at = 0, None
+    for response in call:
+        first_at = first_at or time.monotonic()
+        received += len(response.token_ids)
+        if received >= before_cancel:
+            break
+    assert first_at is not None and received < wanted
+    assert last_metrics_path(local) == "decode"
+    seconds_per_token = (time.monotonic() - first_at) / (received - 1)
     call.cancel()
+    cancelled_at = time.monotonic()
     with pytest.raises(grpc.RpcError):
         list(call)
-    wait_until(local.pools_settled, 10, "decode's pool to be whole after the cancel")
+    rest = (wanted - received) * seconds_per_token
+    wait_until(local.pools_settled, max(60.0, rest), "decode's pool to be whole after the cancel")
+    freed_after = time.monotonic() - cancelled_at
+    assert freed_after < rest / 4, f"freed {freed_after:.1f} s after the cancel; rest {rest:.1f} s"
+
+
+def last_metrics_path(stack: Stack) -> str:
+    """Where a short prompt is prefilled through this router: a 2-token request's answer."""
+    _, _, last = generate(stack.router_stub(), greedy_request(list(range(1, 13)), 2))
+    return last.metrics.prefill_path
 
 
 def test_auto_derives_a_threshold_from_handed_off_requests(stacks, tmp_path):

@@ -188,6 +188,49 @@ def test_a_bad_value_is_a_clear_error_and_exit_2(env, flags, says):
     assert says in done.stderr and "Traceback" not in done.stderr
 
 
+def run_service(service: str, *flags: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(cfg.ENV_PREFIX)}
+    command = [sys.executable, "-m", "pdserve.cli", "serve", service, "--model", "tinygpt"]
+    return subprocess.run(
+        [*command, *flags], env=environment, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize(
+    "service,flags,says",
+    [
+        (
+            "prefill",
+            ["--decode-allow", "127.0.0.1"],
+            "--decode-allow (PDSERVE_DECODE_ALLOW): '127.0.0.1' is not host:port",
+        ),
+        ("prefill", ["--decode-allow", "decode:5x"], "'decode:5x': the port must be a number"),
+        ("router", ["--prefill", "localhost:0"], "--prefill (PDSERVE_PREFILL): 'localhost:0'"),
+        ("router", ["--decode", "::1:50052"], "--decode (PDSERVE_DECODE): '::1:50052' is not"),
+    ],
+)
+def test_a_bad_address_stops_the_service_at_start(service, flags, says):
+    """Before any request: the service exits 2 naming the flag and the value."""
+    done = run_service(service, *flags)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert "serving" not in done.stderr
+
+
+@pytest.mark.parametrize("wrong", ["ca", "cert", "key"])
+def test_a_tls_file_that_is_not_pem_stops_the_service_at_start(tmp_path, wrong):
+    from pdserve.certs import make_dev_certs
+
+    certs = make_dev_certs(tmp_path / "certs")
+    files = {"cert": certs / "decode.pem", "key": certs / "decode-key.pem", "ca": certs / "ca.pem"}
+    files[wrong] = tmp_path / "not-pem"
+    files[wrong].write_text("this is not a PEM file\n")
+    flags = [f"--tls-{name}={path}" for name, path in files.items()]
+    done = run_service("decode", *flags)
+    assert done.returncode == 2, done.stderr
+    assert f"--tls-{wrong} {files[wrong]}" in done.stderr and "Traceback" not in done.stderr
+
+
 # --- pdserve serve: the model is loaded once and handed to the service ---
 
 

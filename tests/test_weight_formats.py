@@ -10,7 +10,7 @@ import tiny_checkpoints as tc
 from test_models import paged_decode_against_reference, prompts
 from pdserve.models.gguf_import import ensure_converted, q4_1_tensors, smollm2_gguf_path
 from pdserve.models.loading import load_served_model
-from pdserve.models.quantized import Int8Linear, Q4Linear, make_linear, q4_blocks
+from pdserve.models.quantized import WIDE_ROWS, Int8Linear, Q4Linear, make_linear, q4_blocks
 from pdserve.settings import CommonSettings
 
 TOLERANCE = 1e-4
@@ -68,6 +68,24 @@ def test_q4_layer_computes_code_times_scale_plus_minimum():
     as_held = ((codes.float().view(48, 3, 32) - 8) * scale + zero).view(48, 96)
     expected = x.float() @ as_held.T
     assert (layer(x).float() - expected).abs().max() < 0.01 * expected.abs().max()
+
+
+def test_a_q4_pass_of_many_rows_multiplies_by_the_same_weights_in_float32():
+    """From WIDE_ROWS rows up the layer uses a float32 copy of its weights: the kernel's own."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    layer = make_linear("q4", weight, None)
+    assert isinstance(layer, Q4Linear)
+    x = torch.randn(WIDE_ROWS, 64, generator=gen).to(torch.bfloat16)
+    by_kernel = torch.cat([layer(row[None]) for row in x])  # one row at a time: the kernel
+    many = layer(x)
+    assert many.dtype == torch.bfloat16 and layer.wide_weight().dtype == torch.float32
+    assert (many.float() - by_kernel.float()).abs().max() < 0.01 * by_kernel.float().abs().max()
+    codes, _, _ = q4_blocks(weight)
+    held = layer.scales_and_zeros.float()
+    scale, zero = held[..., 0].T[..., None], held[..., 1].T[..., None]
+    as_held = ((codes.float().view(32, 2, 32) - 8) * scale + zero).view(32, 64)
+    assert torch.equal(layer.wide_weight(), as_held)
 
 
 def test_a_shape_the_4_bit_kernel_refuses_falls_back_to_int8():

@@ -54,7 +54,12 @@ class DecodeScheduler:
 
     @property
     def size(self) -> int:
-        return len(self.running) + len(self._joining)
+        """Sequences running or about to join. A finished or aborted one is not counted, though
+        it stays in `running` until the step's end: a finished sequence's blocks are back before
+        its last emission, and pool stats read at that instant must not count it as running."""
+        with self._lock:
+            joining = sum(not s.done for s in self._joining)
+        return joining + sum(not s.done for s in list(self.running))
 
     def step(self) -> DecodeStepStats | None:
         batch = self.schedule()

@@ -15,6 +15,13 @@ The int4 kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scal
 are held in the activations' dtype: bfloat16 rounds Q4_1's fp16 scales to 8 significant bits.
 A q4 layer whose shape the kernel refuses (output rows not a multiple of 16, input columns not a
 multiple of 32) stays int8, and says so in the log.
+
+A pass of many rows (a prompt's prefill) is bound by arithmetic, not by bytes, and the int4
+kernel is then the slower way: on an AVX2 CPU at 1,500 rows it took 54-57 ms per SmolLM2 matrix
+against 22-30 ms for a float32 GEMM (and 145-170 ms in bfloat16, which AVX2 has no instructions
+for). So a q4 layer keeps its codes and, from WIDE_ROWS rows up, multiplies in float32 by the
+same weights, dequantized once on first use (4 bytes per weight, only in a process that runs
+such passes). The crossover measured there was 48-64 rows.
 """
 
 import logging
@@ -27,6 +34,7 @@ log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
+WIDE_ROWS = 128  # from here up, a q4 layer multiplies in float32 (see the module's docstring)
 
 
 class Int8Linear(nn.Module):
@@ -55,6 +63,7 @@ class Int8Linear(nn.Module):
 class Q4Linear(nn.Module):
     packed: torch.Tensor  # buffers, declared for the type checker
     scales_and_zeros: torch.Tensor
+    nibbles: torch.Tensor
     bias: torch.Tensor | None
 
     def __init__(
@@ -74,13 +83,32 @@ class Q4Linear(nn.Module):
         both = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().to(dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", both)
+        # The same codes two to a byte (the kernel's packing is its own), for the float32 copy.
+        small = codes.to(torch.uint8)
+        self.register_buffer("nibbles", small[:, 0::2] | (small[:, 1::2] << 4))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._wide: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)
+        if flat.shape[0] >= WIDE_ROWS:
+            out = torch.nn.functional.linear(flat.float(), self.wide_weight()).to(x.dtype)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(
+                flat, self.packed, Q4_GROUP, self.scales_and_zeros
+            )
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def wide_weight(self) -> torch.Tensor:
+        """The float32 weights the kernel reads: (code - 8) * scale + zero, with its scales."""
+        if self._wide is None:
+            rows, columns = self.out_features, self.in_features
+            codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).view(rows, -1, Q4_GROUP)
+            held = self.scales_and_zeros.float().transpose(0, 1)  # [rows, groups, 2]
+            scale, zero = held[..., 0:1], held[..., 1:2]
+            self._wide = ((codes.float() - 8) * scale + zero).view(rows, columns)
+        return self._wide
 
 
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums

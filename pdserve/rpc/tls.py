@@ -58,7 +58,25 @@ class Tls:
             data = [Path(p).read_bytes() for p in (cert, key, ca)]
         except OSError as exc:
             raise TlsConfigError(f"cannot read {exc.filename}: {exc.strerror}") from None
-        return cls(data[0], data[1], data[2], paths=(cert, key, ca))
+        tls = cls(data[0], data[1], data[2], paths=(cert, key, ca))
+        tls.check()
+        return tls
+
+    def check(self) -> None:
+        """Parses the files now, so that a wrong one stops the service at start, naming it, and
+        not at its first handshake (gRPC reads them only then)."""
+        cert, key, ca = self.paths
+        try:
+            ssl.create_default_context(cafile=ca)
+        except ssl.SSLError as exc:
+            raise TlsConfigError(f"--tls-ca {ca}: not a PEM CA certificate ({exc})") from None
+        try:
+            ssl.create_default_context().load_cert_chain(cert, key)
+        except ssl.SSLError as exc:
+            raise TlsConfigError(
+                f"--tls-cert {cert} and --tls-key {key}: not a PEM certificate and its own "
+                f"private key ({exc})"
+            ) from None
 
     # -- gRPC
     def server_credentials(self, require_client_auth: bool) -> grpc.ServerCredentials:
