@@ -262,8 +262,9 @@ def test_router_killed_while_decode_holds_leases_blocks_return(services):
     calls = [
         stack.router_stub().Generate(greedy_request([9] * 150, 5), timeout=30) for _ in range(3)
     ]
-    wait_until(lambda: stack.pool_stats().pending_leases == 3, 10, "three leases")
-    assert stack.pool_stats().free_blocks < stack.pool_stats().total_blocks
+    # One GetPoolStats for both figures: a second read could come after the leases moved on.
+    stats = wait_until(lambda: _with_pending(stack.pool_stats(), 3), 10, "three leases")
+    assert stats.free_blocks < stats.total_blocks
     router.stop(signal.SIGKILL)
     for call in calls:
         call.cancel()
@@ -364,7 +365,7 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.PrefillServiceStub(p).Prefill(request, timeout=30)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 10.0  # told at once, not at the 30 s deadline
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "prefill engine loop fails" in err.value.details()
         wait_until(
@@ -421,3 +422,8 @@ def test_one_of_two_decodes_killed_under_load_nothing_lost(services, policy):
     tokens, _, _ = generate(stack.router_stub(), whole_pool, 120)
     assert len(tokens) == 60 * 16 - 10
     settled(stack)
+
+
+def _with_pending(stats, leases: int):
+    """The stats when they show `leases` pending leases, else None (for wait_until)."""
+    return stats if stats.pending_leases == leases else None

@@ -120,7 +120,8 @@ class Terminal:
 
 
 def test_terminal_chat_streams_keeps_history_and_stops_on_ctrl_c(chat):
-    term = Terminal(chat.router.address, "--max-tokens", "400", "--ignore-eos")
+    # Long enough that Ctrl-C, sent once the first words show, comes while it still streams.
+    term = Terminal(chat.router.address, "--max-tokens", "1500", "--ignore-eos")
     try:
         term.say("Hello there")
         wait_until(lambda: term.text().count("you> ") == 1 and len(term.text()) > 8, 30, "a reply")
@@ -128,7 +129,7 @@ def test_terminal_chat_streams_keeps_history_and_stops_on_ctrl_c(chat):
         wait_until(lambda: "[stopped]" in term.text(), 30, "the reply to stop")
         wait_until(chat.pools_settled, 15, "the stopped reply's blocks to be freed")
         term.say("And again?")
-        wait_until(lambda: term.text().count("you> ") == 3, 60, "the second reply to finish")
+        wait_until(lambda: term.text().count("you> ") == 3, 180, "the second reply to finish")
         term.proc.stdin.close()  # Ctrl-D
         assert term.proc.wait(30) == 0
     finally:
