@@ -7,6 +7,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc.tls import client_channel
+from pdserve.services.router.phases import phase_items
 from pdserve.settings import env
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -97,6 +98,13 @@ def _print_summary(last: pb.GenerateResponse) -> None:
         f"decode {m.decode_instance}",
         file=sys.stderr,
     )
+    if m.HasField("phases"):
+        print(f"time to first token: {phase_split(m.phases)}", file=sys.stderr)
+
+
+def phase_split(phases: pb.RequestPhases) -> str:
+    """'routing 0.4 ms, decode_room 1.1 ms, ...': the phases in the order they happen."""
+    return ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in phase_items(phases))
 
 
 def add_health(sub) -> None:

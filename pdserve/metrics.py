@@ -5,6 +5,7 @@ client's latencies, prefill the send side of the handoff, decode the receive sid
 """
 
 import logging
+from collections.abc import Iterable
 from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -106,6 +107,14 @@ QUEUE_SECONDS = Histogram(
     ["service"],
     buckets=LATENCY_BUCKETS,
 )
+PHASE_SECONDS = Histogram(
+    "pdserve_request_phase_seconds",
+    "A request's time to first token in phases (routing, decode_room, prefill_queue, "
+    "prefill_compute, transfer_after_compute, relay), and first_decode_step after it; see "
+    "RequestPhases in proto/pdserve/v1",
+    ["service", "phase"],
+    buckets=LATENCY_BUCKETS,
+)
 STEP_SECONDS = Histogram(
     "pdserve_engine_step_seconds",
     "One prefill batch or decode step",
@@ -127,6 +136,11 @@ def record_handoff(service: str, seconds: float, nbytes: int) -> None:
     HANDOFF_BYTES.labels(service).observe(nbytes)
     if seconds > 0:
         HANDOFF_BANDWIDTH.labels(service).observe(nbytes / seconds)
+
+
+def record_phases(service: str, phases: Iterable[tuple[str, float]]) -> None:
+    for phase, seconds in phases:
+        PHASE_SECONDS.labels(service, phase).observe(seconds)
 
 
 def record_request(

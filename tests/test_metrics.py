@@ -200,3 +200,41 @@ def test_bench_summary_agrees_with_the_servers_metrics(metered_stack, tmp_path):
         high = bucket_of(buckets, min(int(position) + 2, n))[1]
         assert low <= summary["server_ttft_seconds"][f"p{q}"] <= high
         assert summary["ttft_seconds"][f"p{q}"] >= low  # the client sees the token later
+
+
+PHASES = ("routing", "decode_room", "prefill_queue", "prefill_compute", "transfer_after_compute")
+PHASES += ("relay",)  # together they tile the time to first token; first_decode_step follows it
+
+
+def test_the_time_to_first_token_is_told_in_phases(metered_stack):
+    """The final response splits the TTFT into phases that add up to it; each is observed in
+    the router's pdserve_request_phase_seconds; `pdserve generate` prints the split."""
+    stack, ports = metered_stack
+    before = scrape(ports["router"])
+    _, _, last = generate(stack.router_stub(), greedy_request(list(range(200)), 6))
+    m, p = last.metrics, last.metrics.phases
+    parts = [getattr(p, f"{name}_seconds") for name in PHASES]
+    assert all(part >= 0 for part in parts) and p.decode_room_seconds > 0
+    assert (p.prefill_queue_seconds, p.prefill_compute_seconds) == (
+        m.queue_seconds,
+        m.prefill_seconds,
+    )
+    assert p.transfer_after_compute_seconds == m.handoff.exposed_seconds
+    ttft = m.time_to_first_token_seconds
+    # Exact, unless prefill's parts overlapped the first token's way back (the rest is then 0).
+    assert abs(sum(parts) - ttft) < 1e-9 or (p.relay_seconds == 0 and sum(parts) >= ttft)
+    assert 0 < p.first_decode_step_seconds < m.end_to_end_seconds - ttft
+    after = scrape(ports["router"])
+    for phase in (*PHASES, "first_decode_step"):
+        key = f'pdserve_request_phase_seconds_count{{phase="{phase}",service="router"}}'
+        assert after[key] == before.get(key, 0) + 1
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", "hello", "--max-tokens", "4"]
+        + ["--address", stack.router.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    split = next(line for line in done.stderr.splitlines() if line.startswith("time to first"))
+    assert all(f"{phase} " in split for phase in (*PHASES, "first_decode_step"))

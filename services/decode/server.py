@@ -210,10 +210,13 @@ async def _events(
 ):
     """A request's DecodeResponses from its emissions, ending with DecodeFinished. `handoff`
     gives (receive seconds, bytes) of the KV that came in; (0, 0) when decode prefilled it."""
+    arrivals: list[float] = []  # of the first two emissions: the first token, then decode's own
     while True:
         emission = await events.get()
         if emission.error is not None:
             raise ServiceError(grpc.StatusCode.ABORTED, emission.error)
+        if len(arrivals) < 2:
+            arrivals.append(time.perf_counter())
         tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
         if emission.finish_reason is None:
             yield pb.DecodeResponse(tokens=tokens)
@@ -230,6 +233,7 @@ async def _events(
                 ),
                 handoff_receive_seconds=seconds,
                 handoff_bytes=received,
+                first_decode_step_seconds=arrivals[1] - arrivals[0] if len(arrivals) == 2 else 0,
             )
         )
         return

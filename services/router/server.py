@@ -39,6 +39,7 @@ from pdserve.services.router.errors import (
     RouterError,
     public_message,
 )
+from pdserve.services.router.phases import RoomWait, phase_items, request_phases
 from pdserve.services.router.policy import make_policy
 from pdserve.services.router.reservation import Inflight, Reservation, ReservationLine
 
@@ -252,6 +253,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
         spec = inflight.spec
         here = self.local_prefill.here(spec.prompt_len - self._cached_on_first(inflight, avoid))
+        asked_for_room = time.perf_counter()
         if here:  # conditional disaggregation: decode prefills the prompt, no handoff
             prefill = None
             reservation = await self.line.reserve(inflight, avoid, prefill_here=True)
@@ -263,6 +265,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             )  # first: a reservation must not be left behind
             reservation = await self.line.reserve(inflight, avoid)
             prefill_call = self._start_prefill(inflight, prefill, reservation)
+        room = RoomWait(asked_for_room - inflight.received, time.perf_counter() - asked_for_room)
         try:
             async for event in self._relay(reservation, prefill_call, prefill):
                 if isinstance(event, pb.TokenEvent):
@@ -287,6 +290,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                         first_token_at,
                         attempt,
                         "decode" if here else "prefill",
+                        room,
                     )
         finally:
             reservation.call.cancel()
@@ -430,8 +434,11 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         first_token_at: float,
         attempt: int,
         prefill_path: str,
+        room: RoomWait,
     ) -> pb.GenerateResponse:
         now = time.perf_counter()
+        phases = request_phases(first_token_at - received, room, reply, finished)
+        metrics.record_phases("router", phase_items(phases))
         metrics.PREFILL_PATH.labels("router", prefill_path).inc()
         metrics.record_request(
             "router",
@@ -460,6 +467,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 prefill_path=prefill_path,
                 prefix_cached_tokens=reservation.lease.cached_tokens,
                 prefill_cached_tokens=reply.cached_tokens,
+                phases=phases,
             ),
         )
 
