@@ -184,6 +184,25 @@ LOCAL_PREFILL_THRESHOLD = Gauge(
     "Prompts of at most this many tokens are prefilled on decode (--local-prefill-tokens)",
     ["service"],
 )
+PREFILL_DECISIONS = Counter(
+    "pdserve_prefill_decisions_total",
+    "Where each attempt's prompt was sent to be prefilled, and why: path decode (below_threshold, "
+    "or prefix_cached: only decode's cached prefix brought it under) or prefill "
+    "(above_threshold, local_prefill_off: --local-prefill-tokens 0, or measuring: auto has too "
+    "few handed-off requests yet)",
+    ["service", "path", "reason"],
+)
+MEASURED_PREFILL_RATE = Gauge(
+    "pdserve_measured_prefill_tokens_per_second",
+    "--local-prefill-tokens auto's input: prompt tokens a prefill instance computes per second, "
+    "from the replies of handed-off requests (a moving average; 0 before the first)",
+    ["service"],
+)
+MEASURED_HANDOFF_RATE = Gauge(
+    "pdserve_measured_handoff_bytes_per_second",
+    "--local-prefill-tokens auto's input: KV bytes per second of the handoffs, as above",
+    ["service"],
+)
 PREFIX_LOOKUP_TOKENS = Counter(
     "pdserve_prefix_cache_lookup_tokens_total",
     "Prompt tokens of the requests that looked in the prefix cache",

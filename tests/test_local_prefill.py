@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from procs import Stack, generate, greedy_request, start_router, start_service, wait_until
 from pdserve.services.router.local_prefill import LOCAL_CAP_TOKENS, MIN_SAMPLES, LocalPrefill
@@ -41,6 +42,40 @@ def test_the_threshold_follows_the_measured_costs():
     for _ in range(MIN_SAMPLES):  # the link exposes more per token than compute costs
         slow_link.observe(100, 100, reply(100, 0.1, 0.5), ttft=0.004 + 0.010 + 0.050)
     assert slow_link.threshold() == LOCAL_CAP_TOKENS
+
+
+def decisions(path: str, reason: str) -> float:
+    labels = {"service": "router", "path": path, "reason": reason}
+    return REGISTRY.get_sample_value("pdserve_prefill_decisions_total", labels) or 0.0
+
+
+@pytest.mark.parametrize(
+    "setting, prompt, cached, path, reason",
+    [
+        ("24", 24, 0, "decode", "below_threshold"),
+        ("24", 40, 20, "decode", "prefix_cached"),
+        ("24", 40, 0, "prefill", "above_threshold"),
+        ("0", 3, 0, "prefill", "local_prefill_off"),
+        ("auto", 3, 0, "prefill", "measuring"),
+    ],
+)
+def test_each_decision_is_counted_with_its_reason(setting, prompt, cached, path, reason):
+    before = decisions(path, reason)
+    assert LocalPrefill(setting).decide(prompt, cached) == (path == "decode")
+    assert decisions(path, reason) == before + 1
+
+
+def test_auto_shows_the_rates_it_measured():
+    local = LocalPrefill("auto")
+    local.observe(100, 100, reply(100, 0.5, 0.02), ttft=0.1)  # 0.5 ms a token: 2,000 tokens/s
+    rate = REGISTRY.get_sample_value(
+        "pdserve_measured_prefill_tokens_per_second", {"service": "router"}
+    )
+    assert rate == pytest.approx(2000)
+    handoff = REGISTRY.get_sample_value(
+        "pdserve_measured_handoff_bytes_per_second", {"service": "router"}
+    )
+    assert handoff == pytest.approx(100 * 1000 / 0.01)
 
 
 @pytest.fixture(scope="module")

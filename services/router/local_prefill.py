@@ -52,6 +52,21 @@ class LocalPrefill:
         """Whether a prompt of this length is prefilled on decode."""
         return prompt_tokens <= self.threshold()
 
+    def decide(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        """Whether a prompt is prefilled on decode, where decode is believed to hold
+        `cached_tokens` of it already; counts the decision with its reason."""
+        here = self.here(prompt_tokens - cached_tokens)
+        if here:
+            reason = "below_threshold" if self.here(prompt_tokens) else "prefix_cached"
+        elif not self.auto and self.fixed == 0:
+            reason = "local_prefill_off"
+        elif self.auto and self.samples < MIN_SAMPLES:
+            reason = "measuring"
+        else:
+            reason = "above_threshold"
+        metrics.PREFILL_DECISIONS.labels("router", "decode" if here else "prefill", reason).inc()
+        return here
+
     def threshold(self) -> int:
         if not self.auto:
             return self.fixed
@@ -85,6 +100,8 @@ class LocalPrefill:
         self.handoff_bytes_per_second += weight * (samples[3] - self.handoff_bytes_per_second)
         self.samples += 1
         metrics.LOCAL_PREFILL_THRESHOLD.labels("router").set(self.threshold())
+        metrics.MEASURED_PREFILL_RATE.labels("router").set(1 / self.compute_per_token)
+        metrics.MEASURED_HANDOFF_RATE.labels("router").set(self.handoff_bytes_per_second)
         self._log_change()
 
     def _log_change(self) -> None:

@@ -252,7 +252,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
     async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
         spec = inflight.spec
-        here = self.local_prefill.here(spec.prompt_len - self._cached_on_first(inflight, avoid))
+        here = self.local_prefill.decide(spec.prompt_len, self._cached_on_first(inflight, avoid))
         asked_for_room = time.perf_counter()
         if here:  # conditional disaggregation: decode prefills the prompt, no handoff
             prefill = None
