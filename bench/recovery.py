@@ -1,0 +1,297 @@
+"""How fast the stack recovers: a steady load, one event at a time, and the seconds until it is
+whole again.
+
+TinyGPT on loopback: a router over 2 prefill and 2 decode instances (one torch thread each).
+--streams closed-loop clients keep requests in flight (prompts of 64-200 tokens, --tokens
+output tokens, greedy). Each event, repeated --repeats times, with the load running:
+
+  cancel-storm   --storm requests (200-token prompts, 200 tokens) sent at once, each cancelled
+                 0-1.5 s later: mid-handoff and mid-decode
+  kill-prefill   prefill 0 SIGKILLed mid-transfer, restarted on its port 1 s later
+  kill-decode    decode 0 SIGKILLed mid-stream, restarted on its port 1 s later
+  stop-decode    decode 0 SIGSTOPped (it keeps its connections and reads nothing) for
+                 --stop-seconds, then SIGCONTed
+
+Per event and repeat, measured from the event (for the storm, from its last cancel):
+  blocks_back_s      until the decodes' used blocks are back to at most their level before
+                     the event (the median of the 5 s before, plus 10%), with every instance up
+  throughput_back_s  until the clients' tokens/s over 1 s windows is back within 10% of its
+                     level before the event, for 2 windows running
+  lost               requests of the steady load in flight during the event that ended with
+                     neither all their tokens nor an error status
+  missing, duplicated  tokens a completed request lacks or has extra
+  changed            completed requests in flight during the event whose tokens differ from the
+                     same request run again afterwards, quietly (greedy float32: identical)
+Then p50 and p99 over the repeats, and at the end every block free within one lease TTL.
+
+Goal (the reliability issue): every block free within one lease TTL, throughput back within 5 s.
+
+  .venv/bin/python bench/recovery.py                    # ~6 minutes on 2 vCPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from common import write_results
+from pdserve.loadtest.stats import percentile
+from pdserve.localstack import Service, start_router, start_service
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+RESULTS = Path(__file__).resolve().parent / "results"
+EVENTS = ("cancel-storm", "kill-prefill", "kill-decode", "stop-decode")
+BEFORE_SECONDS = 5.0  # the level an event is compared with
+WATCH_SECONDS = 30.0  # the longest a recovery is waited for
+LEASE_TTL_SECONDS = 30.0  # decode's default --lease-ttl-seconds
+THREADS = ("--torch-threads", "1")
+
+
+@dataclass
+class Finished:
+    prompt: list[int]
+    max_tokens: int
+    tokens: list[int]
+    status: str  # "OK" or the gRPC status name
+    started: float
+    ended: float
+
+
+@dataclass
+class Load:
+    """The steady clients: every token's arrival time, every finished request."""
+
+    arrivals: list[float] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def tokens_per_s(self, start: float, end: float) -> float:
+        with self.lock:
+            return sum(1 for t in self.arrivals if start <= t < end) / (end - start)
+
+
+class Stack:
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        self.prefills = [start_service("prefill", *THREADS, tmp_dir=tmp) for _ in range(2)]
+        self.decodes = [start_service("decode", *THREADS, tmp_dir=tmp) for _ in range(2)]
+        self.router = start_router(self.prefills, self.decodes, tmp_dir=tmp)
+        self.channel = grpc.insecure_channel(self.router.address)
+        self.stub = pb_grpc.RouterServiceStub(self.channel)
+
+    def restart(self, group: list[Service], index: int) -> None:
+        old = group[index]
+        group[index] = start_service(old.role, *THREADS, tmp_dir=self.tmp, port=old.port)
+
+    def used_blocks(self) -> int | None:
+        """Blocks in use over both decodes; None while one does not answer."""
+        used = 0
+        for decode in self.decodes:
+            try:
+                with grpc.insecure_channel(decode.address) as channel:
+                    stub = pb_grpc.DecodeServiceStub(channel)
+                    s = stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=1)
+            except grpc.RpcError:
+                return None
+            used += s.total_blocks - s.free_blocks
+        return used
+
+    def stop(self) -> None:
+        self.channel.close()
+        for service in (self.router, *self.prefills, *self.decodes):
+            service.stop()
+
+
+def request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+
+
+def run_one(stub, prompt: list[int], max_tokens: int, load: Load | None) -> Finished:
+    started, tokens, status = time.monotonic(), [], "OK"
+    try:
+        for response in stub.Generate(request(prompt, max_tokens), timeout=120):
+            tokens += response.token_ids
+            if load is not None:
+                with load.lock:
+                    load.arrivals += [time.monotonic()] * len(response.token_ids)
+    except grpc.RpcError as exc:
+        status = exc.code().name
+    return Finished(prompt, max_tokens, tokens, status, started, time.monotonic())
+
+
+def client(stub, load: Load, tokens: int, seed: int) -> None:
+    rng = random.Random(seed)
+    while not load.stop.is_set():
+        prompt = [rng.randrange(1, 256) for _ in range(rng.randint(64, 200))]
+        done = run_one(stub, prompt, tokens, load)
+        with load.lock:
+            load.finished.append(done)
+
+
+def cancel_storm(stack: Stack, count: int, rng: random.Random) -> None:
+    """`count` requests at once, each cancelled 0-1.5 s after it was sent."""
+    calls = [stack.stub.Generate(request([rng.randrange(1, 256)] * 200, 200)) for _ in range(count)]
+    sent = time.monotonic()
+    for delay, call in sorted((rng.uniform(0, 1.5), call) for call in calls):
+        time.sleep(max(0.0, sent + delay - time.monotonic()))
+        call.cancel()
+
+
+def cause(stack: Stack, event: str, args, rng: random.Random) -> float:
+    """Makes the event happen; returns when it happened (time.monotonic)."""
+    if event == "cancel-storm":
+        cancel_storm(stack, args.storm, rng)
+        return time.monotonic()
+    if event == "stop-decode":
+        victim = stack.decodes[0].proc.pid
+        os.kill(victim, signal.SIGSTOP)
+        at = time.monotonic()
+        time.sleep(args.stop_seconds)
+        os.kill(victim, signal.SIGCONT)
+        return at
+    group = stack.prefills if event == "kill-prefill" else stack.decodes
+    group[0].stop(signal.SIGKILL)
+    at = time.monotonic()
+    time.sleep(1.0)
+    stack.restart(group, 0)
+    return at
+
+
+def first_time(condition, start: float, limit: float) -> float | None:
+    """Seconds from `start` until `condition()` holds, polled; None if not within `limit`."""
+    while time.monotonic() - start < limit:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(0.1)
+    return None
+
+
+def one_event(stack: Stack, load: Load, event: str, args, rng) -> dict:
+    time.sleep(BEFORE_SECONDS)
+    now = time.monotonic()
+    level = load.tokens_per_s(now - BEFORE_SECONDS, now)
+    used = [u for _ in range(10) if (u := stack.used_blocks()) is not None]
+    blocks_limit = statistics.median(used) * 1.1 + 1
+    at = cause(stack, event, args, rng)
+    blocks = first_time(
+        lambda: (u := stack.used_blocks()) is not None and u <= blocks_limit, at, WATCH_SECONDS
+    )
+    steady = [0]
+
+    def throughput_back() -> bool:
+        t = time.monotonic()
+        ok = abs(load.tokens_per_s(t - 1.0, t) - level) <= 0.1 * level
+        steady[0] = steady[0] + 1 if ok else 0
+        return steady[0] >= 2 and t - at >= 1.0
+
+    back = first_time(lambda: time.sleep(0.9) or throughput_back(), at, WATCH_SECONDS)
+    return {
+        "at": at,
+        "level_tokens_per_s": level,
+        "blocks_back_s": blocks,
+        "throughput_back_s": back,
+    }
+
+
+def accounting(stack: Stack, load: Load, rows: list[dict]) -> None:
+    """Adds each event's lost, missing, duplicated and changed requests to its row."""
+    for row in rows:
+        during = [f for f in load.finished if f.started <= row["at"] + 1.0 and f.ended >= row["at"]]
+        ok = [f for f in during if f.status == "OK"]
+        row["in_flight"] = len(during)
+        row["failed_with_status"] = len(during) - len(ok)
+        row["lost"] = sum(1 for f in ok if len(f.tokens) < f.max_tokens)
+        row["missing"] = sum(max(0, f.max_tokens - len(f.tokens)) for f in ok)
+        row["duplicated"] = sum(max(0, len(f.tokens) - f.max_tokens) for f in ok)
+        again = [run_one(stack.stub, f.prompt, f.max_tokens, None) for f in ok[:24]]
+        row["changed"] = sum(1 for f, a in zip(ok, again) if f.tokens != a.tokens)
+        row["rechecked"] = len(again)
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for event in EVENTS:
+        mine = [r for r in rows if r["event"] == event]
+        out[event] = {"repeats": len(mine)}
+        for key in ("blocks_back_s", "throughput_back_s"):
+            values = [r[key] for r in mine if r[key] is not None]
+            out[event][key] = {
+                "p50": percentile(values, 50),
+                "p99": percentile(values, 99),
+                "not_back": len(mine) - len(values),
+            }
+        for key in ("lost", "missing", "duplicated", "changed", "failed_with_status"):
+            out[event][key] = sum(r[key] for r in mine)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--streams", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--storm", type=int, default=200)
+    p.add_argument("--stop-seconds", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default=str(RESULTS / "recovery.json"))
+    args = p.parse_args()
+    stack, load, rng = (
+        Stack(tempfile.mkdtemp(prefix="pdserve-recovery-")),
+        Load(),
+        random.Random(args.seed),
+    )
+    pool = ThreadPoolExecutor(args.streams)
+    rows: list[dict] = []
+    try:
+        for i in range(args.streams):
+            pool.submit(client, stack.stub, load, args.tokens, args.seed + i)
+        for repeat in range(args.repeats):
+            for event in EVENTS:
+                row = {"event": event, "repeat": repeat, **one_event(stack, load, event, args, rng)}
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "at"}, flush=True)
+        load.stop.set()
+        pool.shutdown(wait=True)
+        accounting(stack, load, rows)
+        free_at_end = first_time(
+            lambda: stack.used_blocks() == 0, time.monotonic(), LEASE_TTL_SECONDS
+        )
+    finally:
+        load.stop.set()
+        stack.stop()
+    result = summary(rows)
+    print(result, f"every block free {free_at_end} s after the load stopped")
+    conditions = {
+        "model": "tinygpt (float32)",
+        "topology": "router + 2 prefill + 2 decode on loopback, 1 torch thread each",
+        "streams": args.streams,
+        "output_tokens": args.tokens,
+        "prompt_tokens": "64-200",
+        "storm": args.storm,
+        "stop_seconds": args.stop_seconds,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "before_seconds": BEFORE_SECONDS,
+        "watch_seconds": WATCH_SECONDS,
+    }
+    for row in rows:
+        row.pop("at")
+    write_results(args.out, conditions, summary=result, rows=rows, free_at_end_seconds=free_at_end)
+
+
+if __name__ == "__main__":
+    main()
