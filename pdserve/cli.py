@@ -18,6 +18,7 @@ import os
 import sys
 
 from pdserve import settings as cfg
+from pdserve import tracing
 
 FAULTS_EPILOG = (
     "For tests only, PDSERVE_FAULTS (e.g. corrupt_chunk=2) makes the service fail at a "
@@ -54,7 +55,11 @@ def _serve(args) -> int:
         common.model, common.dtype, weights=(args.role != "router"), weight_format=common.weights
     )
     service = importlib.import_module(f"pdserve.services.{args.role}.server")
-    asyncio.run(service.serve(model, settings))
+    tracing.configure(common.otlp_endpoint, args.role)
+    try:
+        asyncio.run(service.serve(model, settings))
+    finally:
+        tracing.shutdown()
     return 0
 
 

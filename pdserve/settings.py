@@ -106,6 +106,12 @@ class CommonSettings:
         "clients must reconnect (and show their certificate again) after this long; calls in "
         "progress get 900 s more to finish. 0: connections live as long as their clients",
     )
+    otlp_endpoint: str = setting(
+        "",
+        "OpenTelemetry: the OTLP/gRPC collector (host:port, plaintext) to export this service's "
+        "traces to, one trace per request across router, prefill and decode; empty (default): "
+        "no tracing, and nothing of OpenTelemetry is loaded",
+    )
     # Not a flag: fault injection is for tests only and must never be on by accident.
     faults: Faults = field(default_factory=Faults)  # PDSERVE_FAULTS
 
@@ -116,6 +122,11 @@ class CommonSettings:
         _one_of(self, "weights", (AUTO_WEIGHTS, *WEIGHT_FORMATS))
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
+        if self.otlp_endpoint:
+            try:
+                parse_host_port(self.otlp_endpoint)
+            except ValueError as exc:
+                raise ValueError(f"{_described(self, 'otlp_endpoint')}: {exc}") from None
         if self.max_connection_age_seconds < 0:
             raise ValueError("--max-connection-age-seconds must be 0 (no limit) or positive")
 

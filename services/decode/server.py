@@ -4,13 +4,14 @@ All lease bookkeeping happens on the event loop thread; the engine thread only d
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 import grpc
 
-from pdserve import metrics
+from pdserve import metrics, tracing
 from pdserve.core.block_pool import BlockTable
 from pdserve.engine.chunked_prefill import Handle
 from pdserve.core.request import GenerateSpec, validate
@@ -59,6 +60,14 @@ class DecodeServicer:
 
     @admitted
     async def Decode(self, request: pb.DecodeRequest, context):
+        metadata = context.invocation_metadata()
+        with tracing.server_span("pdserve.decode", metadata, request_id=request.request_id):
+            # Closed with this call, whichever way it ends, so that its blocks go back at once.
+            async with contextlib.aclosing(self._decode(request)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _decode(self, request: pb.DecodeRequest):
         check_same_model(self.served, request.model_fingerprint, "the lease request")
         spec = validate(
             convert.spec_from_internal(

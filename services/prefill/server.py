@@ -8,7 +8,7 @@ from typing import Callable
 
 import grpc
 
-from pdserve import metrics
+from pdserve import metrics, tracing
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.prefill_prefix import PrefixCachedPrefill
@@ -101,7 +101,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.admission.refuse_if_draining()
         self._refuse_beyond_limits(request)
         with self.admission.track():
-            return await self._prefill(request, context)
+            metadata = context.invocation_metadata()
+            with tracing.server_span("pdserve.prefill", metadata, request_id=request.request_id):
+                return await self._prefill(request, context)
 
     def _refuse_beyond_limits(self, request: pb.PrefillRequest) -> None:
         """RESOURCE_EXHAUSTED, naming the limit, rather than a queue that grows without bound."""

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve import tracing
 from pdserve.core.request import GenerateSpec
 from pdserve.rpc import convert
 from pdserve.settings import RouterSettings
+from pdserve.tracing import RequestTrace
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.backends import BackendSet, Instance
@@ -39,6 +41,7 @@ class Inflight:
     received: float  # time.perf_counter()
     deadline: float  # time.monotonic(): the client's, capped by --request-timeout-seconds
     prefix_keys: list[bytes] = field(default_factory=list)  # for --routing-policy prefix-aware
+    trace: RequestTrace | None = None  # with --otlp-endpoint (pdserve/tracing.py)
 
     def remaining(self) -> float:
         """The timeout for an outbound call: every call ends by the request's deadline."""
@@ -156,6 +159,7 @@ class ReservationLine:
                 cache_salt=spec.cache_salt,
             ),
             timeout=inflight.remaining(),
+            metadata=tracing.outgoing(inflight.trace),
         )
         try:
             # Bounded: a decode instance that accepts the call but stalls must not hold up the

@@ -19,7 +19,7 @@ from typing import AsyncGenerator, Callable
 
 import grpc
 
-from pdserve import metrics
+from pdserve import metrics, tracing
 from pdserve.core.request import GenerateSpec, InvalidRequest, validate
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert, model_info, reflection
@@ -124,7 +124,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 grpc.StatusCode.UNAVAILABLE, "this instance is draining and takes no new requests"
             )
         with self.admission.track():
-            inflight = None
+            inflight, code = None, "OK"
             try:
                 inflight = self._inflight(make_spec, time_remaining, self._cache_salt(client))
                 with self.clients.admitted(client, inflight.spec.prompt_len) as spend:
@@ -135,7 +135,11 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 request_id = inflight.spec.request_id if inflight else "(invalid)"
                 log.info("request %s failed: %s %s", request_id, exc.code.name, exc)
                 metrics.record_request("router", exc.code.name)
+                code = exc.code.name
                 raise RouterError(exc.code, public_message(str(exc))) from None
+            finally:
+                if inflight is not None and inflight.trace is not None:
+                    inflight.trace.end(time.perf_counter(), code=code)
 
     def _cache_salt(self, client: str) -> bytes:
         """With --prefix-cache-scope client, the client's own salt (from its API key, else its
@@ -154,7 +158,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         except InvalidRequest as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         budget = min(time_remaining or float("inf"), self.settings.request_timeout_seconds)
-        return self._routed(Inflight(spec, received, time.monotonic() + budget))
+        trace = tracing.request_trace(spec.request_id, received)
+        return self._routed(Inflight(spec, received, time.monotonic() + budget, trace=trace))
 
     def _routed(self, inflight: Inflight) -> Inflight:
         """With prefix-aware routing, the prompt's block keys, computed once per request."""
@@ -219,7 +224,9 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         rest = dataclasses.replace(
             spec, prompt_token_ids=spec.prompt_token_ids + tuple(sent), sampling=sampling
         )
-        return self._routed(Inflight(rest, original.received, original.deadline))
+        return self._routed(
+            Inflight(rest, original.received, original.deadline, trace=original.trace)
+        )
 
     async def _attempts(
         self, inflight: Inflight, tries: list[int], sent: list[int], avoid: set[str]
@@ -282,11 +289,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                         inflight, reservation, prefill if reply.prefix_cache else None
                     )
                     yield self._final(
-                        spec,
+                        inflight,
                         finished,
                         reply,
                         reservation,
-                        inflight.received,
                         first_token_at,
                         attempt,
                         "decode" if here else "prefill",
@@ -341,6 +347,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     cache_salt=spec.cache_salt,
                 ),
                 timeout=inflight.remaining(),
+                metadata=tracing.outgoing(inflight.trace),
             )
         )
         # A prefill that fails before the commit ends the token stream too, so the relay never
@@ -426,19 +433,21 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
     def _final(
         self,
-        spec: GenerateSpec,
+        inflight: Inflight,
         finished: pb.DecodeFinished,
         reply: pb.PrefillResponse,
         reservation: Reservation,
-        received: float,
         first_token_at: float,
         attempt: int,
         prefill_path: str,
         room: RoomWait,
     ) -> pb.GenerateResponse:
-        now = time.perf_counter()
+        spec, received, now = inflight.spec, inflight.received, time.perf_counter()
         phases = request_phases(first_token_at - received, room, reply, finished)
         metrics.record_phases("router", phase_items(phases))
+        if inflight.trace is not None:
+            tiling = phase_items(phases)[:-1]  # first_decode_step is decode's, after the TTFT
+            inflight.trace.phases(received, [*tiling, ("streaming", now - first_token_at)])
         metrics.PREFILL_PATH.labels("router", prefill_path).inc()
         metrics.record_request(
             "router",
