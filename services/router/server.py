@@ -6,8 +6,13 @@ A request's life in the router:
   -> prefill (on some prefill instance, which pushes the KV to that decode instance)
   -> relay tokens from decode to the client -> final response with usage and metrics.
 A handoff that fails before any token reached the client is retried (bounded, with backoff) on
-other instances; one that fails later ends with UNAVAILABLE, never a silent replay. The client's
-deadline bounds every outbound call; a client that leaves cancels both.
+other instances; one that fails later moves to another pair from the tokens sent (migration,
+bounded by --max-migrations), never a silent replay. The client's deadline bounds every outbound
+call; a client that leaves cancels both.
+
+The servicer here is who may call (API keys, per-client limits), admission, and the attempts of
+one request (retries, migration); one attempt, from reservation to final response, is
+attempt.py.
 """
 
 import asyncio
@@ -29,19 +34,18 @@ from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router import http_api
-from pdserve.services.router.backends import BackendSet, Instance
+from pdserve.services.router.attempt import Attempts
+from pdserve.services.router.backends import BackendSet
 from pdserve.services.router.clients import ApiKeys, ClientLimits, grpc_peer_host
 from pdserve.services.router.local_prefill import LocalPrefill
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.services.router.errors import (
-    RETRYABLE,
     HandoffFailed,
     RouterError,
     public_message,
 )
-from pdserve.services.router.phases import RoomWait, phase_items, request_phases
 from pdserve.services.router.policy import make_policy
-from pdserve.services.router.reservation import Inflight, Reservation, ReservationLine
+from pdserve.services.router.reservation import Inflight, ReservationLine
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,9 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.local_prefill = LocalPrefill(settings.local_prefill_tokens)
         self.clients = ClientLimits(
             settings.max_streams_per_client, settings.max_tokens_per_second_per_client
+        )
+        self.attempts = Attempts(
+            served, self.prefills, self.decodes, self.line, self.local_prefill, self.prefix_index
         )
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -237,7 +244,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         for attempt in range(1, self.settings.max_attempts + 1):
             tries[0] += 1
             try:
-                async for response in self._attempt(inflight, tries[0], avoid):
+                async for response in self.attempts.run(inflight, tries[0], avoid):
                     sent.extend(response.token_ids)
                     yield response
                 return
@@ -256,229 +263,6 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 )
                 avoid |= exc.instances
                 await asyncio.sleep(RETRY_BACKOFF_SECONDS * attempt)
-
-    async def _attempt(self, inflight: Inflight, attempt: int, avoid: set[str]):
-        spec = inflight.spec
-        here = self.local_prefill.decide(spec.prompt_len, self._cached_on_first(inflight, avoid))
-        asked_for_room = time.perf_counter()
-        if here:  # conditional disaggregation: decode prefills the prompt, no handoff
-            prefill = None
-            reservation = await self.line.reserve(inflight, avoid, prefill_here=True)
-            prefill_call: asyncio.Future = asyncio.get_running_loop().create_future()
-            prefill_call.set_result(pb.PrefillResponse())
-        else:
-            prefill = self._pick_prefill(
-                inflight, avoid
-            )  # first: a reservation must not be left behind
-            reservation = await self.line.reserve(inflight, avoid)
-            prefill_call = self._start_prefill(inflight, prefill, reservation)
-        room = RoomWait(asked_for_room - inflight.received, time.perf_counter() - asked_for_room)
-        try:
-            async for event in self._relay(reservation, prefill_call, prefill):
-                if isinstance(event, pb.TokenEvent):
-                    yield pb.GenerateResponse(
-                        request_id=spec.request_id, token_ids=event.token_ids, text=event.text
-                    )
-                else:
-                    finished, reply, first_token_at = event
-                    if not here:
-                        ttft = first_token_at - inflight.received
-                        sent = spec.prompt_len - reservation.lease.cached_tokens
-                        self.local_prefill.observe(spec.prompt_len, sent, reply, ttft)
-                    self._learn_prefix(
-                        inflight, reservation, prefill if reply.prefix_cache else None
-                    )
-                    yield self._final(
-                        inflight,
-                        finished,
-                        reply,
-                        reservation,
-                        first_token_at,
-                        attempt,
-                        "decode" if here else "prefill",
-                        room,
-                    )
-        finally:
-            reservation.call.cancel()
-            prefill_call.cancel()
-
-    def _learn_prefix(
-        self, inflight: Inflight, reservation: Reservation, caching_prefill: Instance | None
-    ) -> None:
-        """The served prompt's full blocks are now cached where it ran (whatever of them had
-        been evicted was computed again): on its decode instance if that keeps a cache, and on
-        `caching_prefill`, the prefill instance that computed it if that keeps one."""
-        if not inflight.prefix_keys:
-            return
-        if reservation.decode.prefix_cache:
-            self.prefix_index.record(inflight.prefix_keys, reservation.decode.address)
-        if caching_prefill is not None:
-            self.prefix_index.record(inflight.prefix_keys, caching_prefill.address)
-
-    def _cached_on_first(self, inflight: Inflight, avoid: set[str]) -> int:
-        """Prompt tokens the decode instance tried first is believed to hold: with a prefix
-        cached there, only the rest counts against --local-prefill-tokens."""
-        if not inflight.prefix_keys:
-            return 0
-        first = next(iter(self.decodes.ordered(avoid, inflight)), None)
-        return self.prefix_index.cached_tokens(inflight.prefix_keys, first.address) if first else 0
-
-    def _start_prefill(
-        self,
-        inflight: Inflight,
-        prefill: Instance[pb_grpc.PrefillServiceStub],
-        reservation: Reservation,
-    ) -> asyncio.Future:
-        """The Prefill call that sends the prompt's KV to the reserved decode instance."""
-        spec = inflight.spec
-        # Load for --routing-policy least-loaded: this prompt is in flight at that prefill.
-        prefill.queued_tokens += spec.prompt_len
-        prefill_call = asyncio.ensure_future(
-            prefill.stub.Prefill(
-                pb.PrefillRequest(
-                    request_id=spec.request_id,
-                    prompt_token_ids=spec.prompt_token_ids,
-                    sampling=convert.sampling_to_pb(spec.sampling),
-                    lease_id=reservation.lease.lease_id,
-                    decode_address=reservation.decode.address,
-                    model_fingerprint=self.served.fingerprint,
-                    data_endpoints=reservation.lease.data_endpoints,
-                    cached_tokens=reservation.lease.cached_tokens,
-                    cache_salt=spec.cache_salt,
-                ),
-                timeout=inflight.remaining(),
-                metadata=tracing.outgoing(inflight.trace),
-            )
-        )
-        # A prefill that fails before the commit ends the token stream too, so the relay never
-        # waits forever; after the commit, decode owns the sequence and carries on.
-        prefill_call.add_done_callback(
-            lambda call: _failed(call) and not reservation.streaming and reservation.call.cancel()
-        )
-
-        def prompt_answered(_call) -> None:
-            prefill.queued_tokens -= spec.prompt_len
-
-        prefill_call.add_done_callback(prompt_answered)
-        return prefill_call
-
-    def _pick_prefill(
-        self, inflight: Inflight, avoid: set[str]
-    ) -> Instance[pb_grpc.PrefillServiceStub]:
-        ordered = self.prefills.ordered(avoid, inflight)
-        if not ordered:
-            raise HandoffFailed("no prefill instance is known", set())
-        return ordered[0]
-
-    async def _relay(
-        self,
-        reservation: Reservation,
-        prefill_call: asyncio.Future,
-        prefill: Instance[pb_grpc.PrefillServiceStub] | None,
-    ):
-        """Token events, then (finished, prefill reply, first token time) once decode is done."""
-        first_token_at = None
-        try:
-            while (event := await reservation.call.read()) is not grpc.aio.EOF:
-                reservation.streaming = True
-                first_token_at = first_token_at or time.perf_counter()
-                if event.HasField("tokens"):
-                    yield event.tokens
-                elif event.HasField("finished"):
-                    yield event.finished, await _reply_or_empty(prefill_call), first_token_at
-                    return
-        except grpc.aio.AioRpcError as exc:
-            raise self._failure(
-                exc.code(), exc.details(), reservation, prefill_call, prefill
-            ) from None
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            assert task is not None  # an async generator's body runs inside a task
-            if not _failed(prefill_call) or task.cancelling():
-                raise  # the client left
-            # The prefill's failure cancelled the decode call (see _attempt).
-            raise self._failure(
-                grpc.StatusCode.CANCELLED, "cancelled", reservation, prefill_call, prefill
-            ) from None
-        raise HandoffFailed(
-            f"decode {reservation.decode.address} ended the token stream early",
-            {reservation.decode.address},
-        )
-
-    def _failure(
-        self,
-        code: grpc.StatusCode,
-        details: str,
-        reservation: Reservation,
-        prefill_call: asyncio.Future,
-        prefill: Instance[pb_grpc.PrefillServiceStub] | None,
-    ) -> RouterError:
-        """The most telling error: prefill's when it failed (decode was cancelled for it)."""
-        decode = reservation.decode
-        where = f"decode {decode.address}"
-        culprit: Instance[pb_grpc.PrefillServiceStub] | Instance[pb_grpc.DecodeServiceStub] = decode
-        err = prefill_call.exception() if _failed(prefill_call) else None
-        if isinstance(err, grpc.aio.AioRpcError) and prefill is not None:
-            code, details, where = err.code(), err.details(), f"prefill {prefill.address}"
-            # ABORTED: prefill is fine, its push to decode failed; anything else is prefill's own.
-            culprit = decode if code == grpc.StatusCode.ABORTED else prefill
-        if code not in RETRYABLE:
-            return RouterError(code, f"{where}: {details}")
-        if code == grpc.StatusCode.UNAVAILABLE:
-            if culprit is prefill:
-                self.prefills.mark_down(prefill)
-            else:
-                self.decodes.mark_down(decode)
-        return HandoffFailed(f"{where}: {code.name}: {details}", {culprit.address})
-
-    def _final(
-        self,
-        inflight: Inflight,
-        finished: pb.DecodeFinished,
-        reply: pb.PrefillResponse,
-        reservation: Reservation,
-        first_token_at: float,
-        attempt: int,
-        prefill_path: str,
-        room: RoomWait,
-    ) -> pb.GenerateResponse:
-        spec, received, now = inflight.spec, inflight.received, time.perf_counter()
-        phases = request_phases(first_token_at - received, room, reply, finished)
-        metrics.record_phases("router", phase_items(phases))
-        if inflight.trace is not None:
-            tiling = phase_items(phases)[:-1]  # first_decode_step is decode's, after the TTFT
-            inflight.trace.phases(received, [*tiling, ("streaming", now - first_token_at)])
-        metrics.PREFILL_PATH.labels("router", prefill_path).inc()
-        metrics.record_request(
-            "router",
-            "OK",
-            first_token_at - received,
-            now - received,
-            finished.usage.completion_tokens,
-            finished.usage.prompt_tokens,
-        )
-        metrics.record_handoff("router", reply.handoff.seconds, reply.handoff.bytes)
-        return pb.GenerateResponse(
-            request_id=spec.request_id,
-            token_ids=finished.last.token_ids,
-            text=finished.last.text,
-            finish_reason=finished.finish_reason,
-            usage=finished.usage,
-            metrics=pb.RequestMetrics(
-                time_to_first_token_seconds=first_token_at - received,
-                end_to_end_seconds=now - received,
-                handoff=reply.handoff,
-                prefill_seconds=reply.prefill_seconds,
-                queue_seconds=reply.queue_seconds,
-                prefill_instance=reply.instance,
-                decode_instance=reservation.lease.instance,
-                attempts=attempt,
-                prefill_path=prefill_path,
-                prefix_cached_tokens=reservation.lease.cached_tokens,
-                prefill_cached_tokens=reply.cached_tokens,
-                phases=phases,
-            ),
-        )
 
     async def refresh_forever(self, server: Server) -> None:
         """Keeps the instance lists and the router's own health status current."""
@@ -499,23 +283,6 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 await server.set_serving(now_serving)
                 serving = now_serving
             await asyncio.sleep(REFRESH_SECONDS)
-
-
-async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillResponse:
-    """Prefill's reply; empty (no handoff figures) if prefill failed after decode's commit."""
-    try:
-        return await prefill_call
-    except grpc.aio.AioRpcError as exc:
-        log.warning(
-            "prefill failed after the commit (%s); the request completes without its "
-            "handoff figures",
-            exc.code().name,
-        )
-        return pb.PrefillResponse()
-
-
-def _failed(call: asyncio.Future) -> bool:
-    return call.done() and not call.cancelled() and call.exception() is not None
 
 
 async def serve(served: ServedModel, settings: RouterSettings) -> None:
