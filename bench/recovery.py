@@ -259,6 +259,8 @@ def main() -> None:
     try:
         for i in range(args.streams):
             pool.submit(client, stack.stub, load, args.tokens, args.seed + i)
+        # Warm: as many requests finished as there are clients, before any level is taken.
+        first_time(lambda: len(load.finished) >= args.streams, time.monotonic(), 120)
         for repeat in range(args.repeats):
             for event in EVENTS:
                 row = {"event": event, "repeat": repeat, **one_event(stack, load, event, args, rng)}
