@@ -146,7 +146,8 @@ def cancel_storm(stack: Stack, count: int, rng: random.Random) -> None:
     """`count` requests at once, each cancelled 0-1.5 s after it was sent."""
     calls = [stack.stub.Generate(request([rng.randrange(1, 256)] * 200, 200)) for _ in range(count)]
     sent = time.monotonic()
-    for delay, call in sorted((rng.uniform(0, 1.5), call) for call in calls):
+    delays = [rng.uniform(0, 1.5) for _ in calls]
+    for delay, call in sorted(zip(delays, calls), key=lambda pair: pair[0]):
         time.sleep(max(0.0, sent + delay - time.monotonic()))
         call.cancel()
 

@@ -123,10 +123,7 @@ class CommonSettings:
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
         if self.otlp_endpoint:
-            try:
-                parse_host_port(self.otlp_endpoint)
-            except ValueError as exc:
-                raise ValueError(f"{_described(self, 'otlp_endpoint')}: {exc}") from None
+            _host_port(self, "otlp_endpoint", self.otlp_endpoint)
         if self.max_connection_age_seconds < 0:
             raise ValueError("--max-connection-age-seconds must be 0 (no limit) or positive")
 
@@ -433,10 +430,14 @@ def _host_ports(settings, *names: str) -> None:
     """Each address of a list setting is host:port, checked at start (not at the first call)."""
     for name in names:
         for value in getattr(settings, name):
-            try:
-                parse_host_port(value)
-            except ValueError as exc:
-                raise ValueError(f"{_described(settings, name)}: {exc}") from None
+            _host_port(settings, name, value)
+
+
+def _host_port(settings, name: str, value: str) -> None:
+    try:
+        parse_host_port(value)
+    except ValueError as exc:
+        raise ValueError(f"{_described(settings, name)}: {exc}") from None
 
 
 def parse_host_port(value: str) -> tuple[str, int]:

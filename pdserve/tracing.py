@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 log = logging.getLogger(__name__)
 
 _tracer = None  # an opentelemetry Tracer once configure() was given an endpoint
+_provider = None  # its TracerProvider, flushed by shutdown()
 _propagator = None
 # perf_counter() -> the epoch nanoseconds spans are stamped with.
 _EPOCH_NS = time.time_ns() - time.perf_counter_ns()
@@ -29,7 +30,7 @@ _EPOCH_NS = time.time_ns() - time.perf_counter_ns()
 
 def configure(endpoint: str, service: str) -> None:
     """Exports this process's spans to the OTLP/gRPC collector at `endpoint` ("" for none)."""
-    global _tracer, _propagator
+    global _tracer, _provider, _propagator
     if not endpoint:
         return
     # Imported here so that a service without --otlp-endpoint never loads them.
@@ -41,19 +42,15 @@ def configure(endpoint: str, service: str) -> None:
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint, insecure=True)))
-    _tracer, _propagator = provider.get_tracer("pdserve"), TraceContextTextMapPropagator()
+    _provider, _propagator = provider, TraceContextTextMapPropagator()
+    _tracer = provider.get_tracer("pdserve")
     log.info("tracing: exporting spans to %s (OTLP/gRPC)", endpoint)
 
 
 def shutdown() -> None:
     """Flushes the spans not yet exported (at the end of a service)."""
-    if _tracer is not None:
-        from opentelemetry import trace
-
-        provider = trace.get_tracer_provider()
-        shutdown = getattr(provider, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+    if _provider is not None:
+        _provider.shutdown()
 
 
 def _ns(perf: float) -> int:
