@@ -52,7 +52,11 @@ def _serve(args) -> int:
 
     # The router only tokenizes and checks model identity, so it needs no weights.
     model = load_served_model(
-        common.model, common.dtype, weights=(args.role != "router"), weight_format=common.weights
+        common.model,
+        common.dtype,
+        weights=(args.role != "router"),
+        weight_format=common.weights,
+        numerics=common.numerics,
     )
     service = importlib.import_module(f"pdserve.services.{args.role}.server")
     tracing.configure(common.otlp_endpoint, args.role)

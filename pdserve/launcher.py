@@ -27,7 +27,7 @@ READY_TIMEOUT_SECONDS = 120.0
 
 
 # Settings `pdserve up` hands on to every service it starts; their flags come from pdserve.settings.
-SHARED_SETTINGS = ("model", "dtype", "weights")
+SHARED_SETTINGS = ("model", "dtype", "weights", "numerics")
 ROLES = ("prefill", "decode", "router")
 
 
@@ -162,10 +162,12 @@ def _interrupt(signum, frame) -> None:
 def run_up(args) -> int:
     # A bad --model or --dtype is one error here (exit 2), not three failed start-ups; a GGUF is
     # converted here once rather than by three services at the same time.
-    CommonSettings(model=args.model, dtype=args.dtype, weights=args.weights)
+    CommonSettings(model=args.model, dtype=args.dtype, weights=args.weights, numerics=args.numerics)
     from pdserve.models.loading import load_served_model
 
-    served = load_served_model(args.model, args.dtype, weights=False, weight_format=args.weights)
+    served = load_served_model(
+        args.model, args.dtype, weights=False, weight_format=args.weights, numerics=args.numerics
+    )
     print(f"model: {served.identity}", flush=True)
     args.port = args.port or free_port()
     cpus = placement(args)

@@ -16,7 +16,7 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar, Protocol, get_type_hints
 
-from pdserve.core.config import AUTO_WEIGHTS, WEIGHT_FORMATS
+from pdserve.core.config import AUTO_WEIGHTS, NUMERICS, WEIGHT_FORMATS
 from pdserve.faults import Faults
 
 ENV_PREFIX = "PDSERVE_"
@@ -72,6 +72,14 @@ class CommonSettings:
         "(the default model), else dense. Prefill and decode must agree: it is part of the "
         "model's fingerprint",
     )
+    numerics: str = setting(
+        "fast",
+        "fast: each pass takes its fastest kernels, so a request's tokens can change with the "
+        "batch it shares, the path it takes (prefilled apart, locally, in chunks) and after a "
+        "migration; invariant: every sum in an order fixed by positions alone, so they cannot, "
+        "at a cost (docs/measurements.md). Every service must agree: it is part of the "
+        "model's fingerprint",
+    )
     host: str = setting(
         "127.0.0.1",
         "address to listen on (gRPC, metrics and the KV data plane); 0.0.0.0 for every "
@@ -120,6 +128,7 @@ class CommonSettings:
             raise ValueError("model must name a checkpoint, a .gguf file or a built-in model")
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "weights", (AUTO_WEIGHTS, *WEIGHT_FORMATS))
+        _one_of(self, "numerics", NUMERICS)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
         if self.otlp_endpoint:

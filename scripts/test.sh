@@ -21,4 +21,5 @@ fi
 .venv/bin/ruff format --check pdserve services tests bench
 .venv/bin/mypy  # paths and strictness: [tool.mypy] in pyproject.toml
 bash scripts/buf_lint.sh
-exec .venv/bin/python -m pytest -q "$@"
+# The slowest tests are listed at the end, to see where the CI budget goes.
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -241,7 +241,7 @@ def fake_loading(monkeypatch):
     """pdserve.models.loading and services.router.server stand-ins that record their calls."""
     calls = {}
 
-    def load_served_model(name, dtype, weights, weight_format):
+    def load_served_model(name, dtype, weights, weight_format, numerics):
         calls["load"] = (name, dtype, weights)
         if name.startswith("/missing"):
             raise FileNotFoundError(f"no checkpoint at {name}")
@@ -296,6 +296,8 @@ def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
         "",
         "--weights",
         "auto",
+        "--numerics",
+        "fast",
     ]
 
 

@@ -14,6 +14,10 @@ WEIGHT_FORMATS = ("dense", "int8", "q4")
 # The --weights default: q4 for a bfloat16 model converted from a Q4_1 GGUF (its own blocks, so
 # the model the file ships), dense otherwise (float32 stays the exact reference).
 AUTO_WEIGHTS = "auto"
+# How sums are ordered (--numerics): "fast" picks each pass's fastest kernels, whose results for a
+# row depend on the batch and the path; "invariant" gives a row the same result in any batch, on
+# any path (prompt, chunk, decode, migration), at a cost (pdserve/models/invariant_attention.py).
+NUMERICS = ("fast", "invariant")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class ModelConfig:
     mlp_bias: bool = False
     # Part of the model's identity (and so its fingerprint): KV computed with other weights differs.
     weights: str = "dense"
+    # Also part of the identity: the two orders give (slightly) different KV and tokens.
+    numerics: str = "fast"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -53,6 +59,8 @@ class ModelConfig:
             raise ValueError(
                 f"weights {self.weights!r}: expected one of {', '.join(WEIGHT_FORMATS)}"
             )
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics {self.numerics!r}: expected one of {', '.join(NUMERICS)}")
         if not self.head_size and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:

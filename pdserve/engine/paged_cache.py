@@ -23,6 +23,7 @@ class PagedCache:
         shape = (config.n_layers, 2, config.kv_heads, slots, config.head_dim)
         self.kv = torch.zeros(shape, dtype=TORCH_DTYPES[config.dtype])
         self.block_size = block_size
+        self.attention = attention.kernels(config.numerics)  # fast or invariant sums
         self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -109,9 +110,15 @@ class DecodeStepKv:
         self._new = torch.tensor(
             new + [s for c in chunks for s in c.table.slots(c.start, c.end)], dtype=torch.long
         )
+        # Invariant attention sums whole chunks of keys: a bucket gathers that many blocks.
+        align = max(1, cache.attention.KEY_ALIGNMENT // block_size)
         self.buckets = [
             _Bucket(
-                members, [tables[i] for i in members], [lengths[i] + 1 for i in members], block_size
+                members,
+                [tables[i] for i in members],
+                [lengths[i] + 1 for i in members],
+                block_size,
+                align,
             )
             for members in buckets_by_length(lengths)
         ]
@@ -128,7 +135,7 @@ class DecodeStepKv:
         outs = []
         if self.buckets:
             decode_out = [
-                attention.padded_decode(
+                self._cache.attention.padded_decode(
                     q[: self._decodes] if self._order is None else q[b.index],
                     b.gather(keys, self._cache, "k"),
                     b.gather(values, self._cache, "v"),
@@ -142,7 +149,9 @@ class DecodeStepKv:
         for chunk in self._chunks:
             rows = slice(row, row + chunk.tokens)
             outs.append(
-                attention.causal(q[rows], chunk.gather(keys), chunk.gather(values), chunk.start)
+                self._cache.attention.causal(
+                    q[rows], chunk.gather(keys), chunk.gather(values), chunk.start
+                )
             )
             row += chunk.tokens
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -178,12 +187,17 @@ class _Bucket:
     """Sequences attended together: their blocks padded to the bucket's longest, and the mask."""
 
     def __init__(
-        self, members: list[int], tables: list[BlockTable], spans: list[int], block_size: int
+        self,
+        members: list[int],
+        tables: list[BlockTable],
+        spans: list[int],
+        block_size: int,
+        align: int = 1,
     ) -> None:
         self.members = members
         self.index = torch.tensor(members, dtype=torch.long)
         self.block_size = block_size
-        width = -(-max(spans) // block_size)
+        width = -(-max(spans) // (block_size * align)) * align  # blocks, a multiple of `align`
         # Each sequence's own blocks, padded with its first one (masked) up to the bucket's width.
         rows = [t.blocks[:width] + [t.blocks[0]] * (width - len(t.blocks)) for t in tables]
         self.blocks = torch.tensor(rows, dtype=torch.long)  # [sequences, blocks]

@@ -5,8 +5,16 @@ kv_heads, dim]. When kv_heads < heads each KV head serves heads // kv_heads quer
 (scaled_dot_product_attention's enable_gqa does that without copying K and V).
 """
 
+import sys
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
+
+from pdserve.models import invariant_attention
+
+
+KEY_ALIGNMENT = 1  # any bucket width will do (invariant_attention needs whole chunks)
 
 
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -64,3 +72,9 @@ def padded_decode(
     return (
         out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)
     )
+
+
+def kernels(numerics: str) -> ModuleType:
+    """The module whose causal, packed_causal and padded_decode a model with these numerics
+    (ModelConfig.numerics) runs: this one's fast kernels, or invariant_attention's."""
+    return invariant_attention if numerics == "invariant" else sys.modules[__name__]

@@ -46,10 +46,11 @@ class DecoderOnly(nn.Module):
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lengths])
         x, rotary = self.embed(tokens, positions), self.rotary(positions)
+        kernels = attention.kernels(self.config.numerics)
         for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
             on_layer(index, k, v)
-            x = layer.finish(x, attention.packed_causal(q, k, v, lengths))
+            x = layer.finish(x, kernels.packed_causal(q, k, v, lengths))
         last = torch.tensor(lengths).cumsum(0) - 1
         return self.logits(x[last])
 

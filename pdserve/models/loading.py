@@ -51,11 +51,16 @@ class ServedModel:
 
 
 def load_served_model(
-    ref: str, dtype: str = "", weights: bool = True, weight_format: str = "dense"
+    ref: str,
+    dtype: str = "",
+    weights: bool = True,
+    weight_format: str = "dense",
+    numerics: str = "fast",
 ) -> ServedModel:
     """`weight_format` (--weights) is how the linear layers hold their weights; `auto` picks
-    q4 for a bfloat16 model from a GGUF, dense for any other."""
-    served = _describe(ref, dtype, weight_format)
+    q4 for a bfloat16 model from a GGUF, dense for any other. `numerics` (--numerics): fast or
+    invariant kernels (pdserve.core.config.NUMERICS)."""
+    served = _describe(ref, dtype, weight_format, numerics)
     if weights:
         from pdserve.models.registry import build
 
@@ -63,10 +68,14 @@ def load_served_model(
     return served
 
 
-def _describe(ref: str, dtype: str, weight_format: str) -> ServedModel:
+def _describe(ref: str, dtype: str, weight_format: str, numerics: str) -> ServedModel:
     if ref.lower() == TINYGPT:
         dense = weight_format == AUTO_WEIGHTS
-        config = ModelConfig(dtype=dtype or "float32", weights="dense" if dense else weight_format)
+        config = ModelConfig(
+            dtype=dtype or "float32",
+            weights="dense" if dense else weight_format,
+            numerics=numerics,
+        )
         return ServedModel(TINYGPT, config, ByteTokenizer(), fingerprint(config, []))
     from pdserve.models import gguf_import  # numpy only: the router may import it
 
@@ -76,7 +85,7 @@ def _describe(ref: str, dtype: str, weight_format: str) -> ServedModel:
     if weight_format == AUTO_WEIGHTS:
         ships_q4 = gguf is not None and gguf_import.holds_q4_1(directory)
         weight_format = "q4" if ships_q4 and config.dtype == "bfloat16" else "dense"
-    config = dataclasses.replace(config, weights=weight_format)
+    config = dataclasses.replace(config, weights=weight_format, numerics=numerics)
     files = checkpoint.weight_files(directory)
     name = (
         Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() else ref

@@ -25,7 +25,7 @@ such passes). The crossover measured there was 48-64 rows.
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
+MIN_ROWS = 4  # float32 GEMMs are row-invariant from here up (PaddedRows)
 WIDE_ROWS = 128  # from here up, a q4 layer multiplies in float32 (see the module's docstring)
 
 
@@ -88,10 +89,13 @@ class Q4Linear(nn.Module):
         self.register_buffer("nibbles", small[:, 0::2] | (small[:, 1::2] << 4))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._wide: torch.Tensor | None = None
+        # None keeps every pass on the int4 kernel, whose result for a row does not depend on
+        # how many rows share the pass (invariant numerics); float32 from WIDE_ROWS would.
+        self.wide_rows: int | None = WIDE_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] >= WIDE_ROWS:
+        if self.wide_rows is not None and flat.shape[0] >= self.wide_rows:
             out = torch.nn.functional.linear(flat.float(), self.wide_weight()).to(x.dtype)
         else:
             out = torch._weight_int4pack_mm_for_cpu(
@@ -109,6 +113,33 @@ class Q4Linear(nn.Module):
             scale, zero = held[..., 0:1], held[..., 1:2]
             self._wide = ((codes.float() - 8) * scale + zero).view(rows, columns)
         return self._wide
+
+
+class PaddedRows(nn.Module):
+    """A float32 dense layer that always multiplies at least MIN_ROWS rows (invariant numerics).
+
+    Measured on this machine's torch: a float32 GEMM gives a row the same result from 4 rows up,
+    whatever the batch or the threads, but 1 to 3 rows take another kernel with other results.
+    So a decode step of one sequence is padded to 4 rows. The int8 and int4 kernels, and the
+    bfloat16 GEMM, were measured row-invariant from one row, and are left as they are."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return with_min_rows(self.linear, x)
+
+
+def with_min_rows(
+    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int = MIN_ROWS
+) -> torch.Tensor:
+    """layer(x) computed on at least `rows` rows (zeros added, their outputs dropped)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] >= rows:
+        return layer(x)
+    padded = torch.cat([flat, flat.new_zeros(rows - flat.shape[0], flat.shape[1])])
+    return layer(padded)[: flat.shape[0]].view(*x.shape[:-1], -1)
 
 
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums

@@ -6,11 +6,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models import checkpoint
 from pdserve.models.decoder import DecoderOnly, parameter_count
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.quantized import PaddedRows, Q4Linear
 from pdserve.models.tinygpt import TinyGPT
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
     if source is None:
         if config.weights != "dense":
             raise ValueError(f"--weights {config.weights} needs a Llama-family checkpoint")
-        return cls(config).eval()
+        return with_numerics(cls(config), config.numerics).eval()
     started = time.perf_counter()
     with torch.device("meta"):  # no memory and no random init for weights about to be replaced
         model = cls(config)
@@ -43,16 +45,33 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
         model.use_weights(
             config.weights, _q4_blocks(source, gguf) if config.weights == "q4" else {}
         )
+    with_numerics(model, config.numerics)
     log.info(
-        "loaded %s from %s: %.1fM parameters in %s, linear layers %s, %.1f s",
+        "loaded %s from %s: %.1fM parameters in %s, linear layers %s, %s numerics, %.1f s",
         config.architecture,
         source,
         count / 1e6,
         config.dtype,
         config.weights,
+        config.numerics,
         time.perf_counter() - started,
     )
     return model.eval()
+
+
+def with_numerics(model: DecoderOnly, numerics: str) -> DecoderOnly:
+    """Invariant numerics: every q4 pass on the int4 kernel, every float32 dense layer given at
+    least 4 rows (quantized.py says why); fast numerics change nothing. Attention reads the
+    setting from the config (attention.kernels)."""
+    if numerics != "invariant":
+        return model
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, Q4Linear):
+                child.wide_rows = None
+            elif isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+                setattr(parent, name, PaddedRows(child))
+    return model
 
 
 def _q4_blocks(converted: Path, gguf: Path | None) -> dict:
