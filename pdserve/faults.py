@@ -10,6 +10,8 @@ fault names the point at which it fires:
   crash_after_chunks=N   prefill: exit abruptly before sending chunk N
   decode_crash_after_chunks=N  decode: exit abruptly on receiving its N-th chunk (1-based, all leases)
   decode_crash_after_steps=N   decode: exit abruptly after its N-th decode step
+  decode_refuse_chunks_from=N  decode: refuse every KV chunk from its N-th (1-based, all leases)
+                               as if it failed a check, and stay up and healthy
   prefill_engine_crash_at_step=N  prefill: the engine loop fails outside the model call at its
                                N-th step (1-based), with jobs waiting
 """
@@ -38,6 +40,7 @@ class Faults:
     crash_after_chunks: int | None = None
     decode_crash_after_chunks: int | None = None
     decode_crash_after_steps: int | None = None
+    decode_refuse_chunks_from: int | None = None
     prefill_engine_crash_at_step: int | None = None
 
     @classmethod
@@ -74,6 +77,12 @@ class Faults:
         if count == self.decode_crash_after_chunks:
             log.error("fault: decode exits on chunk %d", count)
             os._exit(CRASH_EXIT_CODE)
+
+    def refuses_chunk(self, count: int) -> bool:
+        """Decode side: whether its `count`-th chunk (1-based) is refused."""
+        return (
+            self.decode_refuse_chunks_from is not None and count >= self.decode_refuse_chunks_from
+        )
 
     def before_prefill_step(self, count: int) -> None:
         if count == self.prefill_engine_crash_at_step:

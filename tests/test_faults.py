@@ -244,6 +244,25 @@ def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
     settled(stack)
 
 
+def test_a_retry_avoids_the_decode_that_failed_even_when_it_is_still_preferred(services):
+    """A decode that refuses KV but stays healthy is not marked down, and least-loaded routing
+    puts it first on every try (it has twice the free blocks). Only the router's `avoid` set
+    sends the retry elsewhere; without it every attempt would go back to the same decode."""
+    failing = services("decode", "--num-blocks", "512", faults="decode_refuse_chunks_from=1")
+    good = services("decode", "--num-blocks", "256")
+    prefill = services("prefill")
+    flags = ("--routing-policy", "least-loaded")
+    stack = services.stack(
+        services.router([prefill], [failing, good], *flags), [prefill], [failing, good]
+    )
+    for i in range(3):
+        tokens, _, last = generate(stack.router_stub(), greedy_request([i + 1] * 40, 4))
+        assert len(tokens) == 4
+        assert last.metrics.decode_instance.endswith(f":{good.port}")
+        assert last.metrics.attempts == 2  # the first try, on the preferred decode, failed
+    settled(stack)
+
+
 def test_corrupted_chunk_is_refused_and_reported(services):
     decode = services("decode")
     prefill = services("prefill", faults="corrupt_chunk=1")

@@ -150,3 +150,64 @@ def test_numerics_are_part_of_the_model_identity_and_checked_at_start():
     assert fast.fingerprint != invariant.fingerprint
     with pytest.raises(ValueError, match="numerics"):
         CommonSettings(model="tinygpt", numerics="exact")
+
+
+def test_the_stack_gives_a_request_the_same_tokens_alone_in_a_crowd_and_colocated(tmp_path):
+    """End to end, the real model's default format with --numerics invariant: greedy and seeded
+    probes of 5, 30 and 200 tokens give the same tokens alone and among 31 concurrent requests
+    of mixed lengths, on a disaggregated stack (prompts of at most 40 tokens prefilled on the
+    decode instance itself, longer ones on the prefill instance) and on a colocated engine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from procs import generate, start_service, start_stack, wait_until
+    from pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+    flags = ("--model", "smollm2-135m-instruct", "--numerics", "invariant")
+    stack = start_stack(
+        str(tmp_path),
+        decode_flags=flags,
+        prefill_flags=flags,
+        router_flags=(*flags, "--local-prefill-tokens", "40"),
+    )
+    colocated = start_service("colocated", *flags, "--torch-threads", "1", tmp_dir=str(tmp_path))
+    probe_rng = random.Random(3)
+    greedy = pb.SamplingParams(max_tokens=12, ignore_eos=True)
+    seeded = pb.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
+    prompts = [[probe_rng.randrange(1, 49152) for _ in range(n)] for n in (5, 30, 200)]
+    probes = [(ids, sampling) for ids in prompts for sampling in (greedy, seeded)]
+    crowd = [
+        ([probe_rng.randrange(1, 49152) for _ in range(probe_rng.randrange(5, 60))], greedy)
+        for _ in range(31)
+    ]
+
+    def tokens(stub, ids, sampling) -> list[int]:
+        request = pb.GenerateRequest(prompt_token_ids=ids, sampling=sampling)
+        return generate(stub, request, timeout=240)[0]
+
+    def alone_and_in_crowd(stub) -> tuple[list, list]:
+        alone = [tokens(stub, ids, s) for ids, s in probes]
+        # Each probe among the 31 others, all sent at once.
+        with ThreadPoolExecutor(len(crowd) + len(probes)) as pool:
+            others = [pool.submit(tokens, stub, ids, s) for ids, s in crowd[:16]]
+            among = [pool.submit(tokens, stub, ids, s) for ids, s in probes]
+            others += [pool.submit(tokens, stub, ids, s) for ids, s in crowd[16:]]
+            assert all(len(o.result()) == 12 for o in others)
+            return alone, [a.result() for a in among]
+
+    try:
+        with grpc.insecure_channel(colocated.address) as channel:
+            colocated_alone, colocated_among = alone_and_in_crowd(
+                pb_grpc.RouterServiceStub(channel)
+            )
+        stack_alone, stack_among = alone_and_in_crowd(stack.router_stub())
+        assert all(len(t) == 12 for t in stack_alone)
+        assert stack_among == stack_alone
+        assert colocated_alone == stack_alone
+        assert colocated_among == stack_alone
+        wait_until(stack.pools_settled, 30, "every block back on the decode instance")
+    finally:
+        colocated.stop()
+        stack.stop()

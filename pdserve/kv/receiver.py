@@ -86,6 +86,8 @@ class KvReceiver:
         """Checks one chunk and writes it into its lease's blocks. Raises KvRejected (or its
         LeaseRejected) with the reason; the caller then calls refuse()."""
         lease = self._stream_lease(stream, header.lease_id)
+        if self._faults.refuses_chunk(self.chunks_received + 1):
+            raise KvRejected(f"fault: decode refuses chunk {self.chunks_received + 1}")
         lease.assembly.check(header)
         k, v = decode_chunk(header, payload, self.config, lease.spec.prompt_len, self._fingerprint)
         lease.table.ensure(header.token_end)
