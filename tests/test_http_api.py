@@ -105,6 +105,38 @@ def test_models_lists_the_served_model_with_its_context(stack):
     assert models[0].model_extra["context_length"] == MAX_CONTEXT
 
 
+def test_models_has_the_fields_vllm_returns(stack):
+    _, reply = raw(stack, "GET", "/v1/models")
+    (entry,) = reply["data"]
+    assert entry["root"] == "tinygpt" and entry["parent"] is None and entry["permission"] == []
+    assert entry["max_model_len"] == MAX_CONTEXT
+
+
+def test_fields_at_their_neutral_value_and_labels_are_accepted_and_change_nothing(stack):
+    """What vLLM's benchmark client sends (repetition_penalty 1.0, logprobs null), the other
+    unimplemented fields at the value that means off, and the labels user and metadata."""
+    neutral = dict(
+        repetition_penalty=1.0,
+        logprobs=None,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        min_p=0,
+        min_tokens=0,
+        best_of=1,
+        echo=False,
+        logit_bias={},
+        stop_token_ids=[],
+        top_logprobs=None,
+        user="bench",
+        metadata={"run": "1"},
+    )
+    status, plain = raw(stack, "POST", "/v1/completions", body(max_tokens=6), JSON)
+    assert status == 200, plain
+    status, with_fields = raw(stack, "POST", "/v1/completions", body(max_tokens=6, **neutral), JSON)
+    assert status == 200, with_fields
+    assert with_fields["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
 def test_health(stack):
     status, body = raw(stack, "GET", "/health")
     assert (status, body) == (200, {"status": "serving"})
@@ -148,7 +180,16 @@ BAD_INPUT = {
     "wrong content type": (body(), {"Content-Type": "text/plain"}, 415, "application/json", None),
     "empty body": (b"", JSON, 400, "empty", None),
     "not an object": (b"[1, 2]", JSON, 400, "JSON object", None),
-    "unknown field": (body(logprobs=2), JSON, 400, "'logprobs'", "logprobs"),
+    "unknown field": (body(tools=[]), JSON, 400, "'tools'", "tools"),
+    "logprobs asked for": (body(logprobs=2), JSON, 400, "logprobs=2 is not supported", "logprobs"),
+    "a repetition penalty": (
+        body(repetition_penalty=1.2),
+        JSON,
+        400,
+        "accepts only 1.0",
+        "repetition_penalty",
+    ),
+    "echo as a number": (body(echo=0), JSON, 400, "echo=0", "echo"),
     "max_tokens 0": (body(max_tokens=0), JSON, 400, "max_tokens", None),
     "max_tokens negative": (body(max_tokens=-5), JSON, 400, "max_tokens", None),
     "max_tokens over the context": (body(max_tokens=MAX_CONTEXT), JSON, 400, "context", None),

@@ -93,7 +93,9 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         max_context = self.served.config.max_context
-        return web.json_response(fmt.models(self.served.name, max_context, self._started))
+        source = self.served.source  # the checkpoint directory; TinyGPT has none
+        root = str(source) if source is not None else self.served.name
+        return web.json_response(fmt.models(self.served.name, max_context, self._started, root))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, parse_chat(await _body(request), self.served.name))

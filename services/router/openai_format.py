@@ -36,8 +36,10 @@ def error(message: str, kind: str, param: str | None = None, code: str | None = 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def models(name: str, max_context: int, created: int) -> dict:
-    """GET /v1/models: the one model served, with its context length (as vLLM names it too)."""
+def models(name: str, max_context: int, created: int, root: str) -> dict:
+    """GET /v1/models: the one model served, with its context length, and the fields vLLM and
+    SGLang return (`root`: where the model was loaded from; vLLM's benchmark loads its tokenizer
+    from there)."""
     return {
         "object": "list",
         "data": [
@@ -48,6 +50,9 @@ def models(name: str, max_context: int, created: int) -> dict:
                 "owned_by": "pdserve",
                 "context_length": max_context,
                 "max_model_len": max_context,
+                "root": root,
+                "parent": None,
+                "permission": [],
             }
         ],
     }

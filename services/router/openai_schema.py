@@ -1,18 +1,23 @@
 """The OpenAI request bodies the HTTP front accepts, checked field by field before anything runs.
 
 Only the fields pdserve honours are accepted; any other is refused by name rather than ignored,
-since a client that sends `logprobs` or `tools` expects something pdserve would not do. The
+since a client that sends `tools` expects something pdserve would not do. Fields it does not
+implement yet (penalties, `logprobs`, ...) are accepted at their neutral value, which is what
+clients send when they mean "off"; null means unset for every field, as in OpenAI's API. The
 rules on values that the gRPC path shares (max_tokens >= 1, temperature >= 0, prompt plus
 max_tokens within the context, ...) are pdserve.core.request.validate's; this module checks the
 types and the ranges the wire format can carry, and turns the body into a GenerateSpec.
 """
 
+import logging
 import math
 import uuid
 from dataclasses import dataclass, field
 
 from pdserve.core.request import GenerateSpec, InvalidRequest, SamplingSpec
 from pdserve.models.tokenizer import MAX_CHAT_MESSAGES, ChatMessage, Tokenizer
+
+log = logging.getLogger(__name__)
 
 # A whole body, read before parsing; beyond it the reply is 413. 4 MiB holds a 128k-token prompt.
 MAX_BODY_BYTES = 4 << 20
@@ -25,7 +30,29 @@ UINT64_MAX = (1 << 64) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters travel as float32
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "ignore_eos"}
-COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "n"}
+# Fields pdserve does not implement yet, accepted at the value that means "off" (what clients such
+# as vLLM's benchmark send by default), or null; any other value is refused by name.
+NEUTRAL_VALUES: dict[str, object] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "best_of": 1,
+    "top_logprobs": 0,
+    "logprobs": False,
+    "echo": False,
+    "logit_bias": {},
+    "stop_token_ids": [],
+}
+# Fields that only label a request: accepted, logged at debug, no effect.
+LABEL_FIELDS = {"user", "metadata"}
+COMMON_FIELDS = (
+    SAMPLING_FIELDS
+    | {"model", "stream", "stream_options", "n"}
+    | set(NEUTRAL_VALUES)
+    | LABEL_FIELDS
+)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
@@ -105,12 +132,30 @@ def _object(body: object, allowed: set[str], model_name: str) -> dict:
                 name,
             )
     fields = {k: v for k, v in body.items() if v is not None}
+    for name in fields.keys() & NEUTRAL_VALUES.keys():
+        _neutral(name, fields[name])
+    labels = {name: fields[name] for name in fields.keys() & LABEL_FIELDS}
+    if labels:
+        log.debug("request labels: %s", labels)
     model = fields.get("model", model_name)
     if model != model_name:
         raise UnknownModel(f"the model {model!r} does not exist; this server serves {model_name!r}")
     if _integer(fields, "n", 1, INT32_MAX) not in (None, 1):
         raise BadRequest("n must be 1: one choice per request", "n")
     return fields
+
+
+def _neutral(name: str, value: object) -> None:
+    """Refuses a value of a field pdserve does not implement, unless it means "off"."""
+    neutral = NEUTRAL_VALUES[name]
+    # bool is an int in Python, and True == 1: a flag and a number must not stand for each other.
+    same_kind = isinstance(value, bool) == isinstance(neutral, bool)
+    if not (same_kind and value == neutral):
+        raise BadRequest(
+            f"{name}={value!r} is not supported: pdserve accepts only {neutral!r} (or null), "
+            "which leaves it off",
+            name,
+        )
 
 
 def _common(fields: dict) -> dict:
