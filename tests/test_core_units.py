@@ -276,26 +276,22 @@ def colocated_engine(chunk_tokens: int):
     )
 
 
-def test_colocated_abort_racing_the_scheduler_frees_the_reservation():
-    engine = colocated_engine(chunk_tokens=0)
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
+def test_a_cancel_from_another_thread_is_carried_out_by_the_engine_thread(chunk_tokens):
+    """abort() only queues the cancel: the handle, its blocks and its place in a queue change
+    only on the engine thread, at its next step, so no pass ever sees them change under it."""
+    engine = colocated_engine(chunk_tokens)
     handle = engine.submit(
         GenerateSpec("r", tuple(range(40)), SamplingSpec(max_tokens=8)), lambda emission: None
     )
-    remove, runners = engine.prefill.remove, []
-
-    def engine_thread_schedules_first(job):
-        """The engine thread takes the job just before abort() looks for it, and finishes it."""
-        taken = engine.prefill.schedule()
-        runners.append(threading.Thread(target=lambda: [j.on_done(1, None) for j in taken]))
-        runners[-1].start()
-        return remove(job)
-
-    engine.prefill.remove = engine_thread_schedules_first
-    engine.abort(handle)
-    runners[0].join(10)
-    assert not runners[0].is_alive()
-    engine.decode.step()  # the step boundary where an aborted sequence leaves
-    assert handle.table.released and engine.pool.available_blocks == 64
+    caller = threading.Thread(target=engine.abort, args=(handle,))
+    caller.start()
+    caller.join(10)
+    assert not handle.cancelled and not handle.table.released  # nothing changed yet
+    assert engine.has_work()  # the loop wakes to carry the cancel out
+    engine.step()
+    assert handle.cancelled and handle.table.released and engine.pool.available_blocks == 64
+    assert not engine.has_work()
 
 
 @pytest.mark.parametrize("cancel_after_chunks", [0, 1, 3])

@@ -7,7 +7,8 @@ when the router sends them there (conditional disaggregation), instead of over a
 
 A Handle is one request inside an engine: its blocks, its prefill, then its sequence. Its first
 token starts the sequence in the decode scheduler; a handle cancelled on the way gives its
-blocks back wherever it is.
+blocks back wherever it is. The engine thread alone changes a handle once it is queued: a
+cancel from another thread is a message it carries out between steps (cancellations.py).
 """
 
 import threading
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockTable
+from pdserve.engine.cancellations import Cancellations
 from pdserve.engine.decode_scheduler import DecodeScheduler, decodings
 from pdserve.engine.model_runner import ModelRunner, PromptPiece
-from pdserve.engine.prefill_scheduler import PrefillJob, PrefillTiming
+from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.sequence import Emission, Sequence, Sink
 
@@ -34,8 +36,7 @@ class Handle:
     job: PrefillJob | None = None  # the colocated engine's unchunked schedule only
     sequence: Sequence | None = None
     timing: PrefillTiming | None = None
-    cancelled: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False  # written by the engine thread only
     enqueued_at: float = field(default_factory=time.perf_counter)
     first_chunk_at: float | None = None
 
@@ -60,10 +61,9 @@ class Chunk:
 class ChunkQueue:
     """Prompts waiting for chunked prefill, first come first served, each with its progress.
 
-    `take` (engine thread) hands out the next prompt positions within a token budget: the head
-    prompt's next piece, then the following prompts'. `remove` (any thread) takes back a prompt
-    that has not had any chunk yet; once a chunk has been taken, the engine thread owns the
-    prompt's blocks."""
+    `add` may be called from any thread; `take` (engine thread) hands out the next prompt
+    positions within a token budget: the head prompt's next piece, then the following prompts'.
+    Only the engine thread drops a prompt (cancelled or failed)."""
 
     def __init__(self) -> None:
         self._waiting: deque[_Waiting] = deque()
@@ -73,15 +73,6 @@ class ChunkQueue:
         """Queues the prompt from its first position not already cached in its table."""
         with self._lock:
             self._waiting.append(_Waiting(handle, done=handle.table.cached_tokens))
-
-    def remove(self, handle: Handle) -> bool:
-        """True when the prompt was waiting with no chunk taken (the caller frees its blocks)."""
-        with self._lock:
-            for item in self._waiting:
-                if item.handle is handle and item.done == 0:
-                    self._waiting.remove(item)
-                    return True
-            return False
 
     def drop(self, handle: Handle) -> None:
         """Forgets a prompt however far it got (engine thread, on cancel or failure)."""
@@ -125,26 +116,37 @@ class ChunkedPrefill:
     """Steps that carry every running decode plus the next prompt pieces, within `budget`.
 
     `service` labels the metrics. `add` and `abort` may be called from any thread; `step` only
-    from the engine thread."""
+    from the engine thread, which carries out the cancels at its top."""
 
     def __init__(
-        self, runner: ModelRunner, decode: DecodeScheduler, budget: int, service: str
+        self,
+        runner: ModelRunner,
+        decode: DecodeScheduler,
+        budget: int,
+        service: str,
+        jobs: PrefillScheduler | None = None,
     ) -> None:
-        self.runner, self.decode = runner, decode
+        """`jobs`: where handles with a `job` wait (the colocated engine's unchunked schedule)."""
+        self.runner, self.decode, self.jobs = runner, decode, jobs
         self.budget, self.service = budget, service
         self.chunks = ChunkQueue()
+        self.cancels: Cancellations[Handle] = Cancellations()
 
     @property
     def has_work(self) -> bool:
-        return self.chunks.has_work
+        return self.chunks.has_work or self.cancels.pending
 
     def add(self, handle: Handle) -> None:
         self.chunks.add(handle)
 
     def step(self) -> None:
-        """schedule (decodes + prompt chunks) -> one forward -> sample decodes and first tokens."""
+        """cancels -> schedule (decodes + prompt chunks) -> one forward -> sample decodes and
+        first tokens."""
+        self.apply_cancels()
         batch = self.decode.schedule()
-        chunks = [c for c in self.chunks.take(self.budget) if self._claim(c)]
+        chunks = self.chunks.take(self.budget)
+        for chunk in chunks:
+            chunk.handle.first_chunk_at = chunk.handle.first_chunk_at or time.perf_counter()
         if not batch and not chunks:
             return
         start = time.perf_counter()
@@ -168,18 +170,6 @@ class ChunkedPrefill:
         ]
         return self.runner.run(decodings(batch), pieces)
 
-    def _claim(self, chunk: Chunk) -> bool:
-        """True when the chunk's prompt is still wanted (and notes when its prefill began); a
-        prompt cancelled after its first chunk is dropped here, on the engine thread."""
-        handle = chunk.handle
-        with handle.lock:
-            if handle.cancelled:
-                self.chunks.drop(handle)
-                handle.table.release()
-                return False
-            handle.first_chunk_at = handle.first_chunk_at or time.perf_counter()
-            return True
-
     def _first_tokens(self, completed: list[Chunk], logits, started: float) -> None:
         if not completed:
             return
@@ -192,7 +182,7 @@ class ChunkedPrefill:
         for chunk, token in zip(completed, firsts, strict=True):
             h = chunk.handle
             began = h.first_chunk_at
-            assert began is not None  # _claim noted it before the prompt's first chunk ran
+            assert began is not None  # step() noted it before the prompt's first chunk ran
             timing = PrefillTiming(
                 began - h.enqueued_at,
                 finished - began,
@@ -204,14 +194,18 @@ class ChunkedPrefill:
             self.prefilled(h, token, timing)
 
     def prefilled(self, handle: Handle, token: int, timing: PrefillTiming) -> None:
-        """The prompt's first token: the sequence starts decoding, unless it was cancelled."""
-        with handle.lock:
-            handle.timing = timing
-            if handle.cancelled:
-                handle.table.release()
-                return
-            handle.table.prompt_written = True
-            handle.sequence = self.decode.start(handle.spec, handle.table, handle.sink, token)
+        """Engine thread: the prompt's first token; the sequence starts decoding, unless it was
+        cancelled."""
+        handle.timing = timing
+        if handle.cancelled:
+            handle.table.release()
+            return
+        handle.table.prompt_written = True
+
+        def created(seq: Sequence) -> None:
+            handle.sequence = seq  # before the first emission, which a service thread may read
+
+        self.decode.start(handle.spec, handle.table, handle.sink, token, created)
 
     def failed(self, handle: Handle, message: str) -> None:
         self.chunks.drop(handle)
@@ -225,14 +219,22 @@ class ChunkedPrefill:
             self.failed(handle, message)
         self.decode.fail_all(message)
 
-    def abort(self, handle: Handle) -> bool:
-        """Cancels the handle. True when the engine loop must be woken to finish the job (it is
-        prefilling or decoding); False when it never ran and its blocks are already back."""
-        with handle.lock:
+    def abort(self, handle: Handle) -> None:
+        """Any thread: cancels the handle at the next step, however far it got. The caller
+        wakes the engine loop."""
+        self.cancels.ask(handle)
+
+    def apply_cancels(self) -> None:
+        """Engine thread, between passes: each cancelled handle gives its blocks back where it
+        is (queued or part-way through its prompt), or its sequence leaves the decode batch."""
+        for handle in self.cancels.take():
+            if handle.cancelled:
+                continue
             handle.cancelled = True
-            if self.chunks.remove(handle):
-                handle.table.release()  # never ran: nothing else will free its blocks
-                return False
             if handle.sequence is not None:
-                self.decode.abort(handle.sequence)
-        return True
+                self.decode.abort(handle.sequence)  # leaves at this step's scheduling
+            elif handle.job is None:  # a prompt queued or part-way: nothing else frees it
+                self.chunks.drop(handle)
+                handle.table.release()
+            elif self.jobs is not None and self.jobs.remove(handle.job):  # it never ran
+                handle.table.release()

@@ -2,16 +2,18 @@
 
 New sequences join between steps (up to max_batch running); finished and aborted ones leave and
 give their blocks back. `start` and `abort` may be called from any thread; `step` only from the
-engine thread.
+engine thread, which alone marks a sequence aborted (cancellations.py).
 """
 
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.request import GenerateSpec
+from pdserve.engine.cancellations import Cancellations
 from pdserve.engine.model_runner import Decoding, ModelRunner
 from pdserve.engine.sequence import Sequence, Sink
 from pdserve.models.tokenizer import Tokenizer
@@ -29,13 +31,22 @@ class DecodeScheduler:
         self.running: list[Sequence] = []
         self._joining: deque[Sequence] = deque()
         self._lock = threading.Lock()
+        self.cancels: Cancellations[Sequence] = Cancellations()
 
     def start(
-        self, spec: GenerateSpec, table: BlockTable, sink: Sink, first_token: int
+        self,
+        spec: GenerateSpec,
+        table: BlockTable,
+        sink: Sink,
+        first_token: int,
+        created: Callable[[Sequence], None] = lambda seq: None,
     ) -> Sequence:
         """A sequence whose prompt KV is in `table`, beginning with prefill's first token; it
-        joins at the next step, unless that token already ended it (then its blocks go back)."""
+        joins at the next step, unless that token already ended it (then its blocks go back).
+        `created` sees the sequence before its first emission, so that whoever reads an
+        emission can already find the sequence it came from."""
         seq = Sequence(spec, table, sink, self.tokenizer)
+        created(seq)
         seq.append(first_token)
         if seq.done:
             table.release()
@@ -45,12 +56,13 @@ class DecodeScheduler:
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        """Marks a sequence to leave at the next step boundary (its blocks are freed then)."""
-        seq.aborted = True
+        """Any thread: the sequence leaves at the next step boundary (its blocks are freed then).
+        The caller wakes the engine loop."""
+        self.cancels.ask(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self._joining)
+        return bool(self.running or self._joining) or self.cancels.pending
 
     @property
     def size(self) -> int:
@@ -92,6 +104,8 @@ class DecodeScheduler:
         self._leave()
 
     def _admit(self) -> None:
+        for seq in self.cancels.take():  # the engine thread is the only writer of `aborted`
+            seq.aborted = True
         with self._lock:
             while self._joining and len(self.running) < self.max_batch:
                 self.running.append(self._joining.popleft())
@@ -110,7 +124,6 @@ class DecodeScheduler:
             self._joining.clear()
 
     def _leave(self) -> None:
-        # `done` can turn true at any moment (abort from another thread): read it once.
         leaving = [s for s in self.running if s.done]
         for seq in leaving:
             seq.table.release()

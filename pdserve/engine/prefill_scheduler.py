@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.cancellations import Cancellations
 from pdserve.core.block_pool import BlockTable
 from pdserve.engine.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.core.request import GenerateSpec
@@ -41,7 +42,7 @@ class PrefillJob:
     on_error: Callable[[str], None]
     send_from: int = 0  # the KV of earlier positions is not wanted (decode holds it already)
     enqueued_at: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
+    cancelled: bool = False  # written by the engine thread only (PrefillScheduler.cancel)
     table: BlockTable | None = None  # its room in the prefix cache's pool, while it runs
 
     @property
@@ -66,6 +67,7 @@ class PrefillScheduler:
         self._waiting: deque[PrefillJob] = deque()
         self._running: list[PrefillJob] = []  # the batch of the current step
         self._lock = threading.Lock()
+        self.cancels: Cancellations[PrefillJob] = Cancellations()
 
     def add(self, job: PrefillJob) -> None:
         with self._lock:
@@ -79,8 +81,24 @@ class PrefillScheduler:
                 return True
             return False
 
+    def cancel(self, job: PrefillJob) -> None:
+        """Any thread: the job is dropped at the next step if it waits, and hands out no more KV
+        from then on if it runs (a pass in progress finishes its layers). The caller wakes the
+        engine loop."""
+        self.cancels.ask(job)
+
+    def apply_cancels(self) -> None:
+        """Engine thread, between passes: the only writer of `cancelled`."""
+        for job in self.cancels.take():
+            job.cancelled = True
+
     @property
     def has_work(self) -> bool:
+        return bool(self._waiting) or self.cancels.pending
+
+    @property
+    def has_jobs(self) -> bool:
+        """Jobs wait (has_work is also true while only cancels do)."""
         return bool(self._waiting)
 
     @property
@@ -152,6 +170,7 @@ class PrefillScheduler:
         nothing against the budget; a job the pool cannot hold waits for the next batch, unless
         it is the first, which then runs alone without the cache."""
         batch: list[PrefillJob] = []
+        self.apply_cancels()
         with self._lock:
             try:
                 self._fill(batch)

@@ -32,7 +32,9 @@ class ColocatedEngine:
         runner = ModelRunner(self.model, self.cache)
         self.decode = DecodeScheduler(runner, served.tokenizer, d.max_batch)
         self.chunk_tokens = settings.chunk_tokens
-        self.chunked = ChunkedPrefill(runner, self.decode, settings.chunk_tokens, "colocated")
+        self.chunked = ChunkedPrefill(
+            runner, self.decode, settings.chunk_tokens, "colocated", jobs=self.prefill
+        )
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self._crashed)
 
     def has_work(self) -> bool:
@@ -50,6 +52,7 @@ class ColocatedEngine:
 
     def _plain_step(self) -> None:
         """The chapter's loop: a prefill batch if one waits, then one decode step for all."""
+        self.chunked.apply_cancels()
         if self.prefill.has_work:
             timing = self.prefill.step()
             if timing is not None:
@@ -77,18 +80,8 @@ class ColocatedEngine:
         return handle
 
     def abort(self, handle: Handle) -> None:
-        if handle.job is None:
-            if self.chunked.abort(handle):
-                self.loop.wake()
-            return
-        with handle.lock:
-            handle.cancelled = True
-            if self.prefill.remove(handle.job):  # never ran: nothing else will free its blocks
-                handle.table.release()
-                return
-            handle.job.cancelled = True  # the engine thread sees it and frees the blocks
-            if handle.sequence is not None:
-                self.decode.abort(handle.sequence)
+        """Any thread: the handle's blocks go back at the next step, however far it got."""
+        self.chunked.abort(handle)
         self.loop.wake()
 
     def _store(self, handle: Handle, layer: int, k, v) -> None:

@@ -71,8 +71,8 @@ class DecodeEngine:
 
     def abort_local(self, handle: Handle) -> None:
         """However far the handle got (waiting, prefilling, decoding), its blocks go back."""
-        if self.local.abort(handle):
-            self.loop.wake()
+        self.local.abort(handle)
+        self.loop.wake()
 
     def abort(self, seq: Sequence) -> None:
         if not seq.done:

@@ -139,13 +139,9 @@ class DecodeServicer:
             )
             self.engine.prefill_here(handle)
 
-            def sequence() -> Sequence | None:
-                # The engine thread sets it after the first token is emitted, holding the lock:
-                # when that token is also the last, its emission can be read here first.
-                with handle.lock:
-                    return handle.sequence
-
-            async for event in _events(events, sequence, spec.prompt_len):
+            # The engine thread sets the sequence before its first emission (DecodeScheduler.start),
+            # so it is there by the time an emission is read here.
+            async for event in _events(events, lambda: handle.sequence, spec.prompt_len):
                 yield event
         finally:
             self.engine.abort_local(handle)

@@ -77,6 +77,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.admission = Admission()
 
     def _step(self) -> None:
+        self.scheduler.apply_cancels()
+        if not self.scheduler.has_jobs:  # only cancels were waiting: not a step
+            return
         self.steps += 1
         self.settings.common.faults.before_prefill_step(self.steps)
         timing = self.scheduler.step()
@@ -170,7 +173,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         except RuntimeError as exc:
             raise ServiceError(grpc.StatusCode.INTERNAL, str(exc)) from None
         finally:
-            job.cancelled = True
+            self.scheduler.cancel(job)  # carried out by the engine thread
+            self.loop.wake()
             push.cancel()
         return self._reply(spec.request_id, first_token, timing, sink, committed)
 
