@@ -244,6 +244,7 @@ def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
     settled(stack)
 
 
+@pytest.mark.parametrize("services", ["plaintext"], indirect=True)  # routing, not transport
 def test_a_retry_avoids_the_decode_that_failed_even_when_it_is_still_preferred(services):
     """A decode that refuses KV but stays healthy is not marked down, and least-loaded routing
     puts it first on every try (it has twice the free blocks). Only the router's `avoid` set
@@ -404,7 +405,13 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
         wait_until(lambda: stats().free_blocks == stats().total_blocks, 10, "decode's blocks")
 
 
-@pytest.mark.parametrize("policy", ["least-loaded", "prefix-aware"])
+# Both policies in plaintext, one under mTLS: what mTLS changes (the handshake, the reconnect)
+# does not depend on the policy, and each run costs about 26 s of the CI's budget.
+@pytest.mark.parametrize(
+    "services, policy",
+    [("plaintext", "least-loaded"), ("plaintext", "prefix-aware"), ("mtls", "least-loaded")],
+    indirect=["services"],
+)
 def test_one_of_two_decodes_killed_under_load_nothing_lost(services, policy):
     """40 requests sharing a system prompt, 8 at a time, over two small decode pools with the
     prefix cache, short remainders prefilled on decode. Decode 0 is killed once 10 are done.

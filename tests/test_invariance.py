@@ -11,14 +11,21 @@ The fast numerics are checked too, so that the test shows what the setting chang
 """
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
+
+from procs import generate, start_router, start_service, start_stack, wait_until
 
 from pdserve.core.block_pool import BlockPool
 from pdserve.engine.model_runner import Decoding, ModelRunner, PromptPiece
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.models.loading import load_served_model
+from pdserve.settings import CommonSettings
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 BLOCK = 16
 rng = random.Random(7)
@@ -120,9 +127,9 @@ def _decoding(engine: Engine, cached: int) -> Decoding:
 @pytest.mark.parametrize(
     "model, weights, length",
     [
-        ("smollm2-135m-instruct", "q4", 250),  # the default: bfloat16, the GGUF's own 4-bit blocks
-        ("smollm2-135m-instruct", "int8", 150),
-        ("smollm2-135m-instruct", "dense", 64),  # bfloat16 GEMMs are slow on AVX2: a shorter one
+        ("smollm2-135m-instruct", "q4", 160),  # the default: bfloat16, the GGUF's own 4-bit blocks
+        ("smollm2-135m-instruct", "int8", 100),
+        ("smollm2-135m-instruct", "dense", 48),  # bfloat16 GEMMs are slow on AVX2: a shorter one
         ("tinygpt", "dense", 1000),  # float32
     ],
 )
@@ -143,8 +150,6 @@ def test_fast_numerics_change_a_row_with_its_path():
 def test_numerics_are_part_of_the_model_identity_and_checked_at_start():
     """Services with other numerics compute other KV, so each refuses the other's like another
     model's (the fingerprint); a misspelt value stops the service at start."""
-    from pdserve.settings import CommonSettings
-
     fast = load_served_model("tinygpt", weights=False, numerics="fast")
     invariant = load_served_model("tinygpt", weights=False, numerics="invariant")
     assert fast.fingerprint != invariant.fingerprint
@@ -152,62 +157,79 @@ def test_numerics_are_part_of_the_model_identity_and_checked_at_start():
         CommonSettings(model="tinygpt", numerics="exact")
 
 
-def test_the_stack_gives_a_request_the_same_tokens_alone_in_a_crowd_and_colocated(tmp_path):
+def test_a_request_gets_the_same_tokens_on_every_path_of_the_stack(tmp_path):
     """End to end, the real model's default format with --numerics invariant: greedy and seeded
-    probes of 5, 30 and 200 tokens give the same tokens alone and among 31 concurrent requests
-    of mixed lengths, on a disaggregated stack (prompts of at most 40 tokens prefilled on the
-    decode instance itself, longer ones on the prefill instance) and on a colocated engine."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from procs import generate, start_service, start_stack, wait_until
-    from pdserve.v1 import pdserve_pb2 as pb
-    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-
+    probes of 5, 30 and 150 tokens give the same tokens
+    - prefilled on the prefill instance and handed off, alone;
+    - the same, among 31 concurrent requests of mixed lengths;
+    - prefilled on the decode instance itself, in chunks beside its decodes (a second router
+      on the same instances, with every prompt under its --local-prefill-tokens);
+    - on a colocated engine."""
     flags = ("--model", "smollm2-135m-instruct", "--numerics", "invariant")
-    stack = start_stack(
-        str(tmp_path),
-        decode_flags=flags,
-        prefill_flags=flags,
-        router_flags=(*flags, "--local-prefill-tokens", "40"),
-    )
-    colocated = start_service("colocated", *flags, "--torch-threads", "1", tmp_dir=str(tmp_path))
+    started: list = []  # everything started, stopped at the end whatever happens
+    try:
+        with ThreadPoolExecutor(1) as starter:  # the colocated engine loads while the stack does
+            colocated_start = starter.submit(
+                start_service, "colocated", *flags, "--torch-threads", "1", tmp_dir=str(tmp_path)
+            )
+            try:
+                stack = start_stack(
+                    str(tmp_path), decode_flags=flags, prefill_flags=flags, router_flags=flags
+                )
+                started.append(stack)
+            finally:
+                started.append(colocated := colocated_start.result(timeout=300))
+        local_router = start_router(
+            stack.prefills,
+            stack.decodes,
+            *flags,
+            "--local-prefill-tokens",
+            "100000",
+            tmp_dir=str(tmp_path),
+        )
+        started.append(local_router)
+        same_tokens_on_every_path(stack, local_router, colocated)
+    finally:
+        for service in reversed(started):
+            service.stop()
+
+
+def same_tokens_on_every_path(stack, local_router, colocated) -> None:
     probe_rng = random.Random(3)
-    greedy = pb.SamplingParams(max_tokens=12, ignore_eos=True)
-    seeded = pb.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
-    prompts = [[probe_rng.randrange(1, 49152) for _ in range(n)] for n in (5, 30, 200)]
+    greedy = pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    seeded = pb.SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
+    prompts = [[probe_rng.randrange(1, 49152) for _ in range(n)] for n in (5, 30, 150)]
     probes = [(ids, sampling) for ids in prompts for sampling in (greedy, seeded)]
     crowd = [
-        ([probe_rng.randrange(1, 49152) for _ in range(probe_rng.randrange(5, 60))], greedy)
+        ([probe_rng.randrange(1, 49152) for _ in range(probe_rng.randrange(5, 40))], greedy)
         for _ in range(31)
     ]
 
-    def tokens(stub, ids, sampling) -> list[int]:
+    def tokens(stub, ids, sampling) -> tuple[list[int], str]:
         request = pb.GenerateRequest(prompt_token_ids=ids, sampling=sampling)
-        return generate(stub, request, timeout=240)[0]
+        out, _, last = generate(stub, request, timeout=240)
+        return out, last.metrics.prefill_path
 
-    def alone_and_in_crowd(stub) -> tuple[list, list]:
-        alone = [tokens(stub, ids, s) for ids, s in probes]
-        # Each probe among the 31 others, all sent at once.
-        with ThreadPoolExecutor(len(crowd) + len(probes)) as pool:
+    def alone(stub) -> list[tuple[list[int], str]]:
+        return [tokens(stub, ids, s) for ids, s in probes]
+
+    def in_crowd(stub) -> list[tuple[list[int], str]]:
+        with ThreadPoolExecutor(len(crowd) + len(probes)) as pool:  # all sent at once
             others = [pool.submit(tokens, stub, ids, s) for ids, s in crowd[:16]]
             among = [pool.submit(tokens, stub, ids, s) for ids, s in probes]
             others += [pool.submit(tokens, stub, ids, s) for ids, s in crowd[16:]]
-            assert all(len(o.result()) == 12 for o in others)
-            return alone, [a.result() for a in among]
+            assert all(len(o.result()[0]) == 8 for o in others)
+            return [a.result() for a in among]
 
-    try:
-        with grpc.insecure_channel(colocated.address) as channel:
-            colocated_alone, colocated_among = alone_and_in_crowd(
-                pb_grpc.RouterServiceStub(channel)
-            )
-        stack_alone, stack_among = alone_and_in_crowd(stack.router_stub())
-        assert all(len(t) == 12 for t in stack_alone)
-        assert stack_among == stack_alone
-        assert colocated_alone == stack_alone
-        assert colocated_among == stack_alone
-        wait_until(stack.pools_settled, 30, "every block back on the decode instance")
-    finally:
-        colocated.stop()
-        stack.stop()
+    handed_off = alone(stack.router_stub())
+    assert {path for _, path in handed_off} == {"prefill"}
+    assert all(len(t) == 8 for t, _ in handed_off)
+    assert [t for t, _ in in_crowd(stack.router_stub())] == [t for t, _ in handed_off]
+    with grpc.insecure_channel(local_router.address) as channel:
+        local = alone(pb_grpc.RouterServiceStub(channel))
+    assert {path for _, path in local} == {"decode"}
+    assert [t for t, _ in local] == [t for t, _ in handed_off]
+    with grpc.insecure_channel(colocated.address) as channel:
+        on_colocated = alone(pb_grpc.RouterServiceStub(channel))
+    assert [t for t, _ in on_colocated] == [t for t, _ in handed_off]
+    wait_until(stack.pools_settled, 30, "every block back on the decode instance")
