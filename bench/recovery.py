@@ -59,7 +59,8 @@ EVENTS = ("cancel-storm", "kill-prefill", "kill-decode", "stop-decode")
 BEFORE_SECONDS = 5.0  # the level an event is compared with
 WATCH_SECONDS = 30.0  # the longest a recovery is waited for
 LEASE_TTL_SECONDS = 30.0  # decode's default --lease-ttl-seconds
-THREADS = ("--torch-threads", "1")
+# TinyGPT, as the docstring says: the figures are about the stack's recovery, not the model.
+SERVICE_FLAGS = ("--torch-threads", "1", "--model", "tinygpt")
 RECHECK = 8  # completed requests per event run again to compare their tokens
 
 
@@ -90,15 +91,15 @@ class Load:
 class Stack:
     def __init__(self, tmp: str) -> None:
         self.tmp = tmp
-        self.prefills = [start_service("prefill", *THREADS, tmp_dir=tmp) for _ in range(2)]
-        self.decodes = [start_service("decode", *THREADS, tmp_dir=tmp) for _ in range(2)]
-        self.router = start_router(self.prefills, self.decodes, tmp_dir=tmp)
+        self.prefills = [start_service("prefill", *SERVICE_FLAGS, tmp_dir=tmp) for _ in range(2)]
+        self.decodes = [start_service("decode", *SERVICE_FLAGS, tmp_dir=tmp) for _ in range(2)]
+        self.router = start_router(self.prefills, self.decodes, "--model", "tinygpt", tmp_dir=tmp)
         self.channel = grpc.insecure_channel(self.router.address)
         self.stub = pb_grpc.RouterServiceStub(self.channel)
 
     def restart(self, group: list[Service], index: int) -> None:
         old = group[index]
-        group[index] = start_service(old.role, *THREADS, tmp_dir=self.tmp, port=old.port)
+        group[index] = start_service(old.role, *SERVICE_FLAGS, tmp_dir=self.tmp, port=old.port)
 
     def used_blocks(self) -> int | None:
         """Blocks in use over both decodes; None while one does not answer."""

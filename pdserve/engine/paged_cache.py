@@ -12,7 +12,7 @@ import torch
 
 from pdserve.core.block_pool import BlockTable
 from pdserve.core.config import ModelConfig
-from pdserve.models import attention
+from pdserve.models import invariant_attention
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -23,7 +23,7 @@ class PagedCache:
         shape = (config.n_layers, 2, config.kv_heads, slots, config.head_dim)
         self.kv = torch.zeros(shape, dtype=TORCH_DTYPES[config.dtype])
         self.block_size = block_size
-        self.attention = attention.kernels(config.numerics)  # fast or invariant sums
+        self.attention = invariant_attention.kernels(config.numerics)  # fast or invariant sums
         self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

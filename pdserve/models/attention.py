@@ -5,13 +5,10 @@ kv_heads, dim]. When kv_heads < heads each KV head serves heads // kv_heads quer
 (scaled_dot_product_attention's enable_gqa does that without copying K and V).
 """
 
-import sys
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from pdserve.models import invariant_attention
 
 
 KEY_ALIGNMENT = 1  # any bucket width will do (invariant_attention needs whole chunks)
@@ -37,10 +34,21 @@ def packed_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
 ) -> torch.Tensor:
     """Causal attention within each prompt of a packed batch."""
+    return each_prompt(causal, q, k, v, lengths)
+
+
+def each_prompt(
+    causal_fn: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+) -> torch.Tensor:
+    """causal_fn(q, k, v, 0) over each prompt's rows of a packed batch, joined."""
     out, start = [], 0
     for n in lengths:
         s = slice(start, start + n)
-        out.append(causal(q[s], k[s], v[s], 0))
+        out.append(causal_fn(q[s], k[s], v[s], 0))
         start += n
     return torch.cat(out)
 
@@ -72,9 +80,3 @@ def padded_decode(
     return (
         out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)
     )
-
-
-def kernels(numerics: str) -> ModuleType:
-    """The module whose causal, packed_causal and padded_decode a model with these numerics
-    (ModelConfig.numerics) runs: this one's fast kernels, or invariant_attention's."""
-    return invariant_attention if numerics == "invariant" else sys.modules[__name__]

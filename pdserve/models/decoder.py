@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pdserve.core.config import ModelConfig
-from pdserve.models import attention
+from pdserve.models import attention, invariant_attention
 from pdserve.models.protocol import ContiguousKv, LayerKvCallback, PagedKv
 
 
@@ -46,7 +46,7 @@ class DecoderOnly(nn.Module):
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lengths])
         x, rotary = self.embed(tokens, positions), self.rotary(positions)
-        kernels = attention.kernels(self.config.numerics)
+        kernels = invariant_attention.kernels(self.config.numerics)
         for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
             on_layer(index, k, v)

@@ -20,7 +20,12 @@ Used for every path (prompt, chunked prompt, decode) when the model's numerics a
 `invariant`, so a request's tokens do not depend on its batch, its path or a migration.
 """
 
+import sys
+from types import ModuleType
+
 import torch
+
+from pdserve.models import attention
 
 CHUNK = 64
 KEY_ALIGNMENT = CHUNK  # a decode bucket's width is a multiple of this, so it needs no padding
@@ -82,12 +87,7 @@ def packed_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
 ) -> torch.Tensor:
     """Causal attention within each prompt of a packed batch."""
-    out, start = [], 0
-    for n in lengths:
-        s = slice(start, start + n)
-        out.append(causal(q[s], k[s], v[s], 0))
-        start += n
-    return torch.cat(out)
+    return attention.each_prompt(causal, q, k, v, lengths)
 
 
 def padded_decode(
@@ -121,3 +121,9 @@ def _pad_keys(x: torch.Tensor, width: int) -> torch.Tensor:
     """[kv_heads, batch, ctx, dim] -> the same with zeros up to `width` keys."""
     pad = x.new_zeros(*x.shape[:2], width - x.shape[2], x.shape[3])
     return torch.cat([x, pad], 2)
+
+
+def kernels(numerics: str) -> ModuleType:
+    """The module whose causal, packed_causal and padded_decode a model with these numerics
+    (ModelConfig.numerics) runs: attention.py's fast kernels, or this module's."""
+    return sys.modules[__name__] if numerics == "invariant" else attention
