@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models import attention, invariant_attention
+from pdserve.models.quantized import with_min_rows
 from pdserve.models.protocol import ContiguousKv, LayerKvCallback, PagedKv
 
 
@@ -84,7 +85,11 @@ class DecoderOnly(nn.Module):
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 whatever the weights' dtype, so sampling sees the same numbers everywhere."""
+        """float32 whatever the weights' dtype, so sampling sees the same numbers everywhere.
+        Invariant float32 numerics give the head at least 4 rows, as PaddedRows does the other
+        layers: a tied head is no module for it to wrap."""
+        if self.config.numerics == "invariant" and x.dtype == torch.float32:
+            return with_min_rows(self.head, x).float()
         return self.head(x).float()
 
     def rotary(self, positions: torch.Tensor):

@@ -29,7 +29,7 @@ from pdserve.models import attention
 
 CHUNK = 64
 KEY_ALIGNMENT = CHUNK  # a decode bucket's width is a multiple of this, so it needs no padding
-MIN_ROWS = 4
+MIN_ROWS = 4  # an fp32 bmm or GEMM gives a row the same bits from this many rows up
 QUERY_TILE = 128  # prompt rows per pass: bounds the per-chunk partial sums' memory
 
 

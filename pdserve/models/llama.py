@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
-from pdserve.models.quantized import Q4Blocks, make_linear, stacked, with_min_rows
+from pdserve.models.quantized import Q4Blocks, make_linear, stacked
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 
@@ -152,10 +152,7 @@ class LlamaForCausalLM(DecoderOnly):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(x)
         if self.lm_head is None:
-            tied = self.model.embed_tokens.weight
-            if self.config.numerics == "invariant" and tied.dtype == torch.float32:
-                return with_min_rows(lambda rows: F.linear(rows, tied), x)  # as PaddedRows
-            return F.linear(x, tied)
+            return F.linear(x, self.model.embed_tokens.weight)
         return self.lm_head(x)
 
     def use_weights(self, fmt: str, q4: dict[str, Q4Blocks]) -> None:

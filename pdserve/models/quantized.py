@@ -30,11 +30,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from pdserve.models.invariant_attention import MIN_ROWS  # float32 GEMMs: invariant from here up
+
 log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
-MIN_ROWS = 4  # float32 GEMMs are row-invariant from here up (PaddedRows)
 WIDE_ROWS = 128  # from here up, a q4 layer multiplies in float32 (see the module's docstring)
 
 

@@ -77,8 +77,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.admission = Admission()
 
     def _step(self) -> None:
-        self.scheduler.apply_cancels()
-        if not self.scheduler.has_jobs:  # only cancels were waiting: not a step
+        if not self.scheduler.has_jobs:  # only cancels wait: carry them out, no step to count
+            self.scheduler.apply_cancels()
             return
         self.steps += 1
         self.settings.common.faults.before_prefill_step(self.steps)
