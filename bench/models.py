@@ -45,7 +45,7 @@ from pdserve.engine.decode_scheduler import DecodeScheduler
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.core.request import GenerateSpec, SamplingSpec
-from pdserve.engine.sampling import sample
+from pdserve.engine.sampling import first_draw
 from pdserve.models.decoder import parameter_count
 from pdserve.models.loading import ServedModel, load_served_model
 
@@ -131,7 +131,7 @@ def pdserve_generate(served: ServedModel, prompts: list[list[int]], new_tokens: 
         GenerateSpec(f"bench-{i}", tuple(p), SamplingSpec(max_tokens=new_tokens, ignore_eos=True))
         for i, p in enumerate(prompts)
     ]
-    runner = ModelRunner(served.built, cache)
+    runner = ModelRunner(served.built, cache, served.tokenizer.eos_token_ids)
     scheduler = DecodeScheduler(runner, served.tokenizer, max_batch=len(prompts))
     outputs: list[list[int]] = [[] for _ in prompts]
 
@@ -139,7 +139,7 @@ def pdserve_generate(served: ServedModel, prompts: list[list[int]], new_tokens: 
     logits = served.model.prefill_packed(
         prompts, lambda layer, k, v: cache.write(layer, slots, k, v)
     )
-    first = sample(logits, [s.sampling for s in specs], [0] * len(specs))
+    first = runner.sample(logits, [first_draw(s) for s in specs])
     first_at = time.perf_counter()
     for i, (spec, table) in enumerate(zip(specs, tables)):
         scheduler.start(spec, table, _collector(outputs[i]), first[i])

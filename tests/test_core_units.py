@@ -14,7 +14,6 @@ from pdserve.core.block_pool import BlockPool, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.engine.output_text import OutputText
 from pdserve.core.request import GenerateSpec, InvalidRequest, SamplingSpec, validate
-from pdserve.engine.sampling import sample, uniform
 from pdserve.models.tokenizer import ByteTokenizer
 
 CONFIG = ModelConfig()
@@ -79,52 +78,6 @@ def spec(tokens=(1, 2, 3), **sampling) -> GenerateSpec:
 def test_validation_names_the_problem(bad, words):
     with pytest.raises(InvalidRequest, match=words):
         validate(bad, CONFIG)
-
-
-def test_sampling_is_a_function_of_seed_and_step():
-    logits = torch.randn(3, CONFIG.vocab_size, generator=torch.Generator().manual_seed(0))
-    s = SamplingSpec(temperature=1.0, top_p=0.9, top_k=40, seed=5)
-    batched = sample(logits, [s] * 3, [0, 1, 2])
-    # Each row alone, in another order: the same tokens (nothing depends on batch or history).
-    assert [sample(logits[i : i + 1], [s], [i])[0] for i in (2, 0, 1)] == [
-        batched[2],
-        batched[0],
-        batched[1],
-    ]
-    assert uniform(5, 0) != uniform(5, 1) and uniform(5, 0) != uniform(6, 0)
-    greedy = sample(logits, [SamplingSpec()] * 3, [0, 0, 0])
-    assert greedy == logits.argmax(-1).tolist()
-    top1 = sample(logits, [SamplingSpec(temperature=1.0, top_k=1, seed=9)] * 3, [0, 1, 2])
-    assert top1 == greedy
-
-
-@pytest.mark.parametrize(
-    "temperature, top_k, top_p, allowed",
-    [
-        (1.0, 0, 1.0, 4),
-        (0.5, 0, 1.0, 4),
-        (1.0, 2, 1.0, 2),
-        (1.0, 0, 0.8, 2),
-        (1.0, 0, 0.95, 3),
-        (2.0, 3, 0.99, 3),
-        # top-p applies to the tempered distribution: at T = 1 these would keep 2 tokens.
-        (2.0, 0, 0.8, 3),
-        (0.5, 0, 0.8, 1),
-    ],
-)
-def test_sampled_frequencies_follow_the_definition(temperature, top_k, top_p, allowed):
-    """Over 4,000 seeds, tokens follow softmax(logits / T) restricted to the top-k tokens and to
-    the smallest set whose mass reaches top-p, renormalised."""
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    probs = torch.softmax(logits[0] / temperature, -1)
-    expected = probs[:allowed] / probs[:allowed].sum()
-    n = 4000
-    counts = torch.zeros(4)
-    for seed in range(n):
-        spec = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        counts[sample(logits, [spec], [0])[0]] += 1
-    assert counts[allowed:].sum() == 0
-    assert (counts[:allowed] / n - expected).abs().max() < 0.03
 
 
 def test_kv_chunks_round_trip_and_reject_damage():

@@ -158,7 +158,18 @@ def _migrated_request(sampling: dict) -> pb.GenerateRequest:
 
 @pytest.mark.parametrize(
     "sampling",
-    [{}, {"temperature": 0.9, "top_k": 40, "seed": 1234}],
+    [
+        {},
+        # Penalties too: after the move they must count the tokens sent before it as output.
+        {
+            "temperature": 0.9,
+            "top_k": 40,
+            "seed": 1234,
+            "repetition_penalty": 1.2,
+            "frequency_penalty": 0.4,
+            "presence_penalty": 0.2,
+        },
+    ],
     ids=["greedy", "seeded"],
 )
 def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(services, sampling):

@@ -15,7 +15,9 @@ import openai
 import pytest
 
 from procs import Stack, free_port, generate, start_router, start_service, wait_until
+import reference
 from pdserve.models.loading import load_served_model
+from pdserve.models.tokenizer import ByteTokenizer
 from pdserve.v1 import pdserve_pb2 as pb
 
 TIMEOUT = 60.0
@@ -86,6 +88,64 @@ def test_seed_and_temperature_reach_the_sampler(stack):
     assert sampled(1) == sampled(1) != sampled(2)
 
 
+def test_logit_bias_and_min_tokens_reach_the_sampler(stack):
+    """A +100 bias makes one token the greedy choice every step; on EOS, min_tokens holds it back
+    for exactly that many tokens, and then EOS ends the completion."""
+    letter = ord("q")
+    reply = complete(stack, {"logit_bias": {str(letter): 100}}, max_tokens=8)
+    assert reply.choices[0].text == "q" * 8
+    eos = str(ByteTokenizer.EOS)
+    reply = client(stack).completions.create(
+        model="tinygpt",
+        prompt=PROMPT,
+        max_tokens=20,
+        extra_body={"logit_bias": {eos: 100}, "min_tokens": 5},
+    )
+    assert reply.usage.completion_tokens == 6 and reply.choices[0].finish_reason == "stop"
+
+
+def grpc_tokens(stack: Stack, max_tokens: int, **sampling) -> list[int]:
+    request = pb.GenerateRequest(
+        prompt=PROMPT,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+    )
+    return generate(stack.router_stub(), request)[0]
+
+
+def test_stop_token_ids_end_the_completion_on_that_token(stack):
+    tokens = grpc_tokens(stack, 12)
+    stop_at = next(i for i in range(2, 12) if tokens[i] not in tokens[:i])  # its first occurrence
+    reply = complete(stack, {"stop_token_ids": [tokens[stop_at]]}, max_tokens=12)
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == stop_at + 1  # the stop token is returned
+
+
+def test_penalties_follow_their_definition_against_the_reference_path(stack):
+    """Greedy with repetition, frequency and presence penalties: each served token is the argmax
+    of the reference model's logits shaped by the definitions (prompt and output for repetition,
+    output only for the others), teacher-forced, within the batching tolerance."""
+    shaping = {"repetition_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.4}
+    served = grpc_tokens(stack, 24, **shaping)  # over gRPC, which carries the fields too
+    assert served != grpc_tokens(stack, 24)  # the penalties changed something
+    prompt = list(PROMPT.encode())
+    cache: list = []
+    logits = reference.model().forward_contiguous(prompt, cache)[-1]
+    for i, token in enumerate(served):
+        shaped = penalised(logits, prompt, list(served[:i]), **shaping)
+        assert shaped[token] >= shaped.max() - reference.TOLERANCE, f"token {i}"
+        logits = reference.model().forward_contiguous([token], cache)[-1]
+
+
+def penalised(logits, prompt, output, repetition_penalty, frequency_penalty, presence_penalty):
+    shaped = logits.double().clone()
+    for token in set(prompt + output):
+        value = float(shaped[token])
+        shaped[token] = value / repetition_penalty if value > 0 else value * repetition_penalty
+    for token in set(output):
+        shaped[token] -= frequency_penalty * output.count(token) + presence_penalty
+    return shaped
+
+
 def test_stop_string_finishes_with_stop(stack):
     text = complete(stack, max_tokens=24).choices[0].text
     stop = next(c for c in text[len(text) // 2 :] if c.isascii() and c.isprintable())
@@ -114,7 +174,7 @@ def test_models_has_the_fields_vllm_returns(stack):
 
 def test_fields_at_their_neutral_value_and_labels_are_accepted_and_change_nothing(stack):
     """What vLLM's benchmark client sends (repetition_penalty 1.0, logprobs null), the other
-    unimplemented fields at the value that means off, and the labels user and metadata."""
+    fields at the value that means off, and the labels user and metadata."""
     neutral = dict(
         repetition_penalty=1.0,
         logprobs=None,
@@ -182,12 +242,29 @@ BAD_INPUT = {
     "not an object": (b"[1, 2]", JSON, 400, "JSON object", None),
     "unknown field": (body(tools=[]), JSON, 400, "'tools'", "tools"),
     "logprobs asked for": (body(logprobs=2), JSON, 400, "logprobs=2 is not supported", "logprobs"),
-    "a repetition penalty": (
-        body(repetition_penalty=1.2),
+    "repetition penalty 0": (body(repetition_penalty=0), JSON, 400, "must be > 0", None),
+    "frequency penalty out of range": (body(frequency_penalty=3), JSON, 400, "[-2, 2]", None),
+    "min_tokens over max_tokens": (body(min_tokens=3), JSON, 400, "min_tokens", None),
+    "logit_bias key not a token id": (
+        body(logit_bias={"q": 1}),
         JSON,
         400,
-        "accepts only 1.0",
-        "repetition_penalty",
+        "keys must be token ids",
+        "logit_bias",
+    ),
+    "logit_bias outside the vocabulary": (
+        body(logit_bias={"300": 1}),
+        JSON,
+        400,
+        "outside the vocabulary",
+        None,
+    ),
+    "stop_token_ids not a list": (
+        body(stop_token_ids=5),
+        JSON,
+        400,
+        "list of token ids",
+        "stop_token_ids",
     ),
     "echo as a number": (body(echo=0), JSON, 400, "echo=0", "echo"),
     "max_tokens 0": (body(max_tokens=0), JSON, 400, "max_tokens", None),

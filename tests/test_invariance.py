@@ -39,7 +39,7 @@ class Engine:
         self.model = served.built
         self.pool = BlockPool(1000, BLOCK)
         self.cache = PagedCache(served.config, 1000, BLOCK)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, frozenset())
         self.vocab = vocab
 
     def prompt(self, n: int) -> list[int]:

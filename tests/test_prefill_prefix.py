@@ -67,13 +67,13 @@ def run(scheduler: PrefillScheduler, *jobs: PrefillJob) -> None:
 def cached_scheduler(tokens: int = 1024, batch_tokens: int = 4096):
     model = CountingModel()
     prefix = PrefixCachedPrefill(model, CONFIG, tokens, BS)
-    return PrefillScheduler(model, 8, batch_tokens, prefix), model, prefix
+    return PrefillScheduler(model, 8, batch_tokens, frozenset(), prefix), model, prefix
 
 
 def reference(prompt: list[int], send_from: int = 0, seed: int = 0) -> Outcome:
     """The same prompt prefilled whole, without any cache."""
     j, out = job(prompt, send_from, seed)
-    run(PrefillScheduler(CountingModel(), 8, 4096), j)
+    run(PrefillScheduler(CountingModel(), 8, 4096, frozenset()), j)
     return out
 
 

@@ -45,22 +45,39 @@ def test_final_response_reports_usage_and_handoff(stack):
     assert last.metrics.decode_instance.startswith("decode@")
 
 
-def sampled(seed: int, prompt: str = "The same seed, the same tokens") -> pb.GenerateRequest:
+def sampled(
+    seed: int, prompt: str = "The same seed, the same tokens", **shaping
+) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt=prompt,
         sampling=pb.SamplingParams(
-            max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed, ignore_eos=True
+            max_tokens=24,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=50,
+            seed=seed,
+            ignore_eos=True,
+            **shaping,
         ),
     )
+
+
+# Seeds 2 and 3 also shape the logits: what they read (the prompt, the output so far) must be
+# the same on prefill, on decode and in the colocated engine.
+SHAPING = {
+    1: {},
+    2: {"min_p": 0.05, "logit_bias": {101: 3.0}},
+    3: {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+}
 
 
 def test_seeded_sampling_is_identical_across_paths(stack, colocated):
     with grpc.insecure_channel(colocated.address) as channel:
         colocated_stub = pb_grpc.RouterServiceStub(channel)
-        for seed in (1, 2, 3):
-            disaggregated, _, _ = generate(stack.router_stub(), sampled(seed))
-            again, _, _ = generate(stack.router_stub(), sampled(seed))
-            baseline, _, _ = generate(colocated_stub, sampled(seed))
+        for seed, shaping in SHAPING.items():
+            disaggregated, _, _ = generate(stack.router_stub(), sampled(seed, **shaping))
+            again, _, _ = generate(stack.router_stub(), sampled(seed, **shaping))
+            baseline, _, _ = generate(colocated_stub, sampled(seed, **shaping))
             assert disaggregated == again == baseline
     other, _, _ = generate(stack.router_stub(), sampled(4))
     assert other != disaggregated

@@ -8,6 +8,11 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 128
 MAX_CACHE_SALT_BYTES = 64
+# Bounds that keep one request's sampling state small (OpenAI's own limits where it has them).
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0  # OpenAI: "values from -100 to 100"
+MAX_PENALTY = 2.0  # OpenAI: frequency and presence penalties "between -2.0 and 2.0"
 
 
 class InvalidRequest(ValueError):
@@ -24,10 +29,30 @@ class SamplingSpec:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     first_step: int = 0  # step number of the first token: nonzero for a migrated continuation
+    # What vLLM, SGLang and TGI offer beside these; pdserve.engine.sampling defines each. Every
+    # default leaves the logits as the model gave them.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything changes the model's logits before the token is picked."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,7 @@ def validate(spec: GenerateSpec, config: ModelConfig) -> GenerateSpec:
     _check_request_id(spec.request_id)
     _check_tokens(spec.prompt_token_ids, config)
     _check_sampling(spec.sampling)
+    _check_sampling_tokens(spec.sampling, config)
     if len(spec.cache_salt) > MAX_CACHE_SALT_BYTES:
         raise InvalidRequest(f"cache_salt is longer than {MAX_CACHE_SALT_BYTES} bytes")
     if spec.max_total_tokens > config.max_context:
@@ -108,3 +134,40 @@ def _check_sampling(s: SamplingSpec) -> None:
     for stop in s.stop:
         if not stop or len(stop) > MAX_STOP_LENGTH:
             raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
+    _check_shaping(s)
+
+
+def _check_shaping(s: SamplingSpec) -> None:
+    """The parameters that change logits or the cut, in the ranges OpenAI and vLLM allow."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(s, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(f"{name} must be in [-2, 2] (0 is off), got {value}")
+    if not 0 < s.repetition_penalty < float("inf"):
+        raise InvalidRequest(
+            f"repetition_penalty must be > 0 and finite (1 is off), got {s.repetition_penalty}"
+        )
+    if not 0 <= s.min_p <= 1:
+        raise InvalidRequest(f"min_p must be in [0, 1] (0 is off), got {s.min_p}")
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise InvalidRequest(
+            f"min_tokens must be in [0, max_tokens = {s.max_tokens}], got {s.min_tokens}"
+        )
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens")
+    for token, bias in s.logit_bias:
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+
+
+def _check_sampling_tokens(s: SamplingSpec, config: ModelConfig) -> None:
+    """Token ids in the sampling parameters name tokens of this model's vocabulary."""
+    named = [*s.stop_token_ids, *(token for token, _ in s.logit_bias)]
+    bad = [t for t in named if not 0 <= t < config.vocab_size]
+    if bad:
+        raise InvalidRequest(
+            f"token id {bad[0]} in stop_token_ids or logit_bias is outside the vocabulary "
+            f"[0, {config.vocab_size})"
+        )

@@ -22,6 +22,7 @@ from pdserve.engine.cancellations import Cancellations
 from pdserve.engine.decode_scheduler import DecodeScheduler, decodings
 from pdserve.engine.model_runner import ModelRunner, PromptPiece
 from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
+from pdserve.engine.sampling import first_draw
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.sequence import Emission, Sequence, Sink
 
@@ -173,11 +174,7 @@ class ChunkedPrefill:
     def _first_tokens(self, completed: list[Chunk], logits, started: float) -> None:
         if not completed:
             return
-        firsts = self.runner.sample(
-            logits,
-            [c.handle.spec.sampling for c in completed],
-            [c.handle.spec.sampling.first_step for c in completed],
-        )
+        firsts = self.runner.sample(logits, [first_draw(c.handle.spec) for c in completed])
         finished = time.perf_counter()
         for chunk, token in zip(completed, firsts, strict=True):
             h = chunk.handle

@@ -15,6 +15,7 @@ from pdserve.core.block_pool import BlockTable
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.cancellations import Cancellations
 from pdserve.engine.model_runner import Decoding, ModelRunner
+from pdserve.engine.sampling import Draw
 from pdserve.engine.sequence import Sequence, Sink
 from pdserve.models.tokenizer import Tokenizer
 
@@ -89,8 +90,7 @@ class DecodeScheduler:
 
     def postprocess(self, batch: list[Sequence], logits) -> None:
         """Samples each sequence's token from its row of `logits`, then lets finished ones go."""
-        steps = [s.spec.sampling.first_step + s.generated for s in batch]
-        tokens = self.runner.sample(logits, [s.spec.sampling for s in batch], steps)
+        tokens = self.runner.sample(logits, [_draw(s) for s in batch])
         for seq, token in zip(batch, tokens, strict=True):
             if not seq.aborted:
                 seq.append(token)
@@ -129,6 +129,12 @@ class DecodeScheduler:
             seq.table.release()
         gone = set(map(id, leaving))
         self.running = [s for s in self.running if id(s) not in gone]
+
+
+def _draw(seq: Sequence) -> Draw:
+    """A running sequence's next draw: its step counts every token it has output, moves
+    included."""
+    return Draw(seq.spec.sampling, seq.spec.sampling.first_step + seq.generated, seq.tokens)
 
 
 def decodings(batch: list[Sequence]) -> list[Decoding]:

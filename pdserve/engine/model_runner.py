@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.core.block_pool import BlockTable
-from pdserve.core.request import SamplingSpec
 from pdserve.engine.paged_cache import DecodeStepKv, PagedCache, PromptChunk
-from pdserve.engine.sampling import sample
+from pdserve.engine.sampling import Draw, sample
 from pdserve.models.protocol import CausalLM, PagedKv
 
 
@@ -48,8 +47,9 @@ class Decoding:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: CausalLM, cache: PagedCache, ending: frozenset[int]) -> None:
+        """`ending`: the model's end-of-sequence token ids, which min_tokens holds back."""
+        self.model, self.cache, self.ending = model, cache, ending
 
     def run(
         self,
@@ -76,7 +76,6 @@ class ModelRunner:
         wanted = rows if pieces else None  # every decode's row, in order: no selection needed
         return self.model.decode_paged(tokens, positions, wrap(view) if wrap else view, wanted)
 
-    @staticmethod
-    def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]) -> list[int]:
+    def sample(self, logits: torch.Tensor, draws: Sequence[Draw]) -> list[int]:
         """One token per row, each from its request's own counter-based random stream."""
-        return sample(logits, specs, steps)
+        return sample(logits, draws, self.ending)

@@ -44,7 +44,7 @@ class PrefixCachedPrefill:
         blocks = tokens // block_size
         self.pool = BlockPool(blocks, block_size, prefix_cache=True)
         self.cache = PagedCache(config, blocks, block_size)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, frozenset())  # it never samples
 
     def reserve(self, prompt: tuple[int, ...], salt: bytes = b"") -> BlockTable | None:
         """Room for the prompt, starting with its longest prefix cached under `salt`; None when

@@ -18,7 +18,7 @@ from pdserve.engine.cancellations import Cancellations
 from pdserve.core.block_pool import BlockTable
 from pdserve.engine.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.core.request import GenerateSpec
-from pdserve.engine.sampling import sample
+from pdserve.engine.sampling import first_draw, sample
 from pdserve.models.protocol import CausalLM
 
 
@@ -60,9 +60,11 @@ class PrefillScheduler:
         model: CausalLM,
         max_batch_size: int,
         max_batch_tokens: int,
+        ending: frozenset[int],
         prefix: PrefixCachedPrefill | None = None,
     ) -> None:
-        self.model, self.prefix = model, prefix
+        """`ending`: the model's end-of-sequence token ids, which min_tokens holds back."""
+        self.model, self.prefix, self.ending = model, prefix, ending
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self._waiting: deque[PrefillJob] = deque()
         self._running: list[PrefillJob] = []  # the batch of the current step
@@ -124,11 +126,7 @@ class PrefillScheduler:
         start = time.perf_counter()
         try:
             logits = self._forward(batch)
-            first = sample(
-                logits,
-                [j.spec.sampling for j in batch],
-                [j.spec.sampling.first_step for j in batch],
-            )
+            first = sample(logits, [first_draw(j.spec) for j in batch], self.ending)
         except Exception as exc:  # the batch fails, the engine keeps serving
             for job in batch:
                 job.on_error(f"prefill failed: {exc}")

@@ -1,14 +1,52 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded per request and per step.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties and logit bias, seeded per
+request and per step.
 
 The random number for step `i` of a request is a pure function of (seed, i), so a request gives the
-same tokens wherever each of its steps runs: prefill samples step 0, decode the rest.
+same tokens wherever each of its steps runs: prefill samples step 0, decode the rest. What shapes
+the logits reads only the row's own tokens, so it too is the same wherever the step runs: a
+migrated continuation carries its earlier output as the end of its prompt.
+
+Per row, in this order (vLLM's, for the parts it shares):
+1. `logit_bias` is added to the named tokens' logits;
+2. before `min_tokens` outputs, the tokens that would end the sequence (EOS, unless ignore_eos, and
+   `stop_token_ids`) are masked;
+3. `repetition_penalty` r divides a positive logit by r and multiplies a negative one by r, for
+   every token seen in the prompt or the output (Keskar et al., 2019, CTRL; as in HF and vLLM);
+4. `frequency_penalty` f and `presence_penalty` p subtract f * count + p * (count > 0), over the
+   output's tokens only (OpenAI's definition);
+5. greedy takes the argmax; otherwise softmax(logits / T), cut to the longest prefix of the sorted
+   tokens that every cut keeps (top-k; top-p, the smallest prefix whose mass reaches p; min-p,
+   tokens whose probability is at least min_p times the largest), renormalised and sampled.
 """
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.request import SamplingSpec
+from pdserve.core.request import GenerateSpec, SamplingSpec
 
 _MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One row to sample: the request's parameters, the step (the counter of its random stream,
+    which is also how many tokens it has output so far) and its tokens so far, whose last `step`
+    are output (a migrated continuation's prompt ends with what it sent before)."""
+
+    spec: SamplingSpec
+    step: int
+    tokens: Sequence[int]
+
+    @property
+    def output(self) -> Sequence[int]:
+        return self.tokens[len(self.tokens) - self.step :] if self.step else ()
+
+
+def first_draw(spec: GenerateSpec) -> Draw:
+    """The draw of a prompt's first token (at its first step: 0, or a continuation's)."""
+    return Draw(spec.sampling, spec.sampling.first_step, spec.prompt_token_ids)
 
 
 def uniform(seed: int, step: int) -> float:
@@ -20,24 +58,54 @@ def uniform(seed: int, step: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]) -> list[int]:
-    """One token per row of `logits` [batch, vocab]; row i follows specs[i] at step steps[i]."""
+def sample(
+    logits: torch.Tensor, draws: Sequence[Draw], ending: frozenset[int] = frozenset()
+) -> list[int]:
+    """One token per row of `logits` [batch, vocab]; row i follows draws[i]. `ending` holds the
+    model's end-of-sequence ids, which min_tokens holds back."""
     greedy = logits.argmax(dim=-1).tolist()
     return [
-        greedy[i] if spec.greedy else _sample_row(logits[i], spec, steps[i])
-        for i, spec in enumerate(specs)
+        greedy[i]
+        if d.spec.greedy and not d.spec.shapes_logits
+        else _sample_row(logits[i], d, ending)
+        for i, d in enumerate(draws)
     ]
 
 
-def _sample_row(logits: torch.Tensor, spec: SamplingSpec, step: int) -> int:
-    scaled = (logits.double() - logits.max()) / spec.temperature  # max first: no inf at tiny T
+def _sample_row(logits: torch.Tensor, draw: Draw, ending: frozenset[int]) -> int:
+    shaped = shape_logits(logits.double(), draw, ending)
+    if draw.spec.greedy:
+        return int(shaped.argmax())
+    return _draw_from(shaped, draw.spec, draw.step)
+
+
+def shape_logits(logits: torch.Tensor, draw: Draw, ending: frozenset[int]) -> torch.Tensor:
+    """Steps 1-4 of the module's order, on a copy of one row."""
+    spec, logits = draw.spec, logits.clone()
+    if spec.logit_bias:
+        ids, biases = zip(*spec.logit_bias, strict=True)
+        logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+    if draw.step < spec.min_tokens:
+        held = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(ending))
+        if held:
+            logits[sorted(held)] = -torch.inf
+    if spec.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(draw.tokens)), dtype=torch.long)
+        values = logits[seen]
+        r = spec.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / r, values * r)
+    if spec.frequency_penalty or spec.presence_penalty:
+        output = torch.tensor(list(draw.output), dtype=torch.long)
+        counts = torch.bincount(output, minlength=logits.numel()).to(logits.dtype)
+        logits -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0)
+    return logits
+
+
+def _draw_from(logits: torch.Tensor, spec: SamplingSpec, step: int) -> int:
+    scaled = (logits - logits.max()) / spec.temperature  # max first: no inf at tiny T
     probs = torch.softmax(scaled, dim=-1)
     probs, order = torch.sort(probs, descending=True, stable=True)
-    keep = len(probs) if spec.top_k == 0 else min(spec.top_k, len(probs))
-    if spec.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (at least one token).
-        mass_before = torch.cumsum(probs, dim=0) - probs
-        keep = min(keep, max(1, int((mass_before < spec.top_p).sum())))
+    keep = _kept(probs, spec)
     probs = probs[:keep]
     cdf = torch.cumsum(probs, dim=0)
     target = uniform(spec.seed, step) * float(cdf[-1])
@@ -45,3 +113,14 @@ def _sample_row(logits: torch.Tensor, spec: SamplingSpec, step: int) -> int:
         int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)), keep - 1
     )
     return int(order[index])
+
+
+def _kept(probs: torch.Tensor, spec: SamplingSpec) -> int:
+    """How many of the sorted tokens every cut keeps (at least one)."""
+    keep = len(probs) if spec.top_k == 0 else min(spec.top_k, len(probs))
+    if spec.top_p < 1.0:
+        mass_before = torch.cumsum(probs, dim=0) - probs
+        keep = min(keep, int((mass_before < spec.top_p).sum()))
+    if spec.min_p > 0.0:
+        keep = min(keep, int((probs >= spec.min_p * probs[0]).sum()))
+    return max(1, keep)

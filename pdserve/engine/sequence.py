@@ -68,9 +68,8 @@ class Sequence:
         self.generated += 1
         text = self._text.feed(token_id)
         self.finish_reason = self._finish_reason(token_id)
-        if self.finish_reason is not None and self.finish_reason is not FinishReason.STOP:
-            text += self._text.finish()
         if self.finish_reason is not None:
+            text += self._text.finish()  # what it held back ("" after a stop string)
             # Before the last emission, so that a request sent as soon as this one ends finds
             # the room free and the prompt's blocks in the prefix cache. Safe: no step reads
             # these blocks any more (the engine thread, after its step; or the commit's thread,
@@ -83,7 +82,7 @@ class Sequence:
         self.sink(Emission((), "", error=message))
 
     def _finish_reason(self, token_id: int) -> FinishReason | None:
-        if self._text.stopped:
+        if self._text.stopped or token_id in self.spec.sampling.stop_token_ids:
             return FinishReason.STOP
         if token_id in self.tokenizer.eos_token_ids and not self.spec.sampling.ignore_eos:
             return FinishReason.EOS

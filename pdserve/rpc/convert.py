@@ -25,6 +25,13 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingSpec:
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
         first_step=s.first_step,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        logit_bias=tuple(sorted(s.logit_bias.items())),
     )
 
 
@@ -38,6 +45,13 @@ def sampling_to_pb(s: SamplingSpec) -> pb.SamplingParams:
         stop=list(s.stop),
         ignore_eos=s.ignore_eos,
         first_step=s.first_step,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+        logit_bias=dict(s.logit_bias),
     )
 
 

@@ -28,8 +28,9 @@ class ColocatedEngine:
         self.model = served.built
         self.pool = BlockPool(d.num_blocks, d.block_size)
         self.cache = PagedCache(served.config, d.num_blocks, d.block_size)
-        self.prefill = PrefillScheduler(self.model, p.max_batch_size, p.max_batch_tokens)
-        runner = ModelRunner(self.model, self.cache)
+        ending = served.tokenizer.eos_token_ids
+        self.prefill = PrefillScheduler(self.model, p.max_batch_size, p.max_batch_tokens, ending)
+        runner = ModelRunner(self.model, self.cache, ending)
         self.decode = DecodeScheduler(runner, served.tokenizer, d.max_batch)
         self.chunk_tokens = settings.chunk_tokens
         self.chunked = ChunkedPrefill(

@@ -26,7 +26,7 @@ class DecodeEngine:
         self.config = served.config
         self.pool = BlockPool(settings.num_blocks, settings.block_size, settings.prefix_cache)
         self.cache = PagedCache(self.config, settings.num_blocks, settings.block_size)
-        runner = ModelRunner(served.built, self.cache)
+        runner = ModelRunner(served.built, self.cache, served.tokenizer.eos_token_ids)
         self.scheduler = DecodeScheduler(runner, served.tokenizer, settings.max_batch)
         self.local = ChunkedPrefill(
             runner, self.scheduler, settings.local_prefill_chunk_tokens, "decode"

@@ -61,7 +61,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             else None
         )
         self.scheduler = PrefillScheduler(
-            served.built, settings.max_batch_size, settings.max_batch_tokens, self.prefix
+            served.built,
+            settings.max_batch_size,
+            settings.max_batch_tokens,
+            served.tokenizer.eos_token_ids,
+            self.prefix,
         )
         self.loop = EngineLoop(
             "prefill-engine", self._step, lambda: self.scheduler.has_work, self._crashed

@@ -2,7 +2,7 @@
 
 Only the fields pdserve honours are accepted; any other is refused by name rather than ignored,
 since a client that sends `tools` expects something pdserve would not do. Fields it does not
-implement yet (penalties, `logprobs`, ...) are accepted at their neutral value, which is what
+implement yet (`logprobs`, `echo`, ...) are accepted at their neutral value, which is what
 clients send when they mean "off"; null means unset for every field, as in OpenAI's API. The
 rules on values that the gRPC path shares (max_tokens >= 1, temperature >= 0, prompt plus
 max_tokens within the context, ...) are pdserve.core.request.validate's; this module checks the
@@ -14,7 +14,13 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.core.request import GenerateSpec, InvalidRequest, SamplingSpec
+from pdserve.core.request import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+    GenerateSpec,
+    InvalidRequest,
+    SamplingSpec,
+)
 from pdserve.models.tokenizer import MAX_CHAT_MESSAGES, ChatMessage, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -29,21 +35,29 @@ INT32_MAX = (1 << 31) - 1
 UINT64_MAX = (1 << 64) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters travel as float32
 
-SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "ignore_eos"}
+SAMPLING_FIELDS = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "top_k",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "stop_token_ids",
+    "logit_bias",
+}
 # Fields pdserve does not implement yet, accepted at the value that means "off" (what clients such
 # as vLLM's benchmark send by default), or null; any other value is refused by name.
 NEUTRAL_VALUES: dict[str, object] = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
     "best_of": 1,
     "top_logprobs": 0,
     "logprobs": False,
     "echo": False,
-    "logit_bias": {},
-    "stop_token_ids": [],
 }
 # Fields that only label a request: accepted, logged at debug, no effect.
 LABEL_FIELDS = {"user", "metadata"}
@@ -176,8 +190,46 @@ def _sampling(fields: dict) -> dict:
         "seed": _integer(fields, "seed", 0, UINT64_MAX),
         "stop": _stop(fields.get("stop")),
         "ignore_eos": _boolean(fields, "ignore_eos"),
+        "frequency_penalty": _number(fields, "frequency_penalty"),
+        "presence_penalty": _number(fields, "presence_penalty"),
+        "repetition_penalty": _number(fields, "repetition_penalty"),
+        "min_p": _number(fields, "min_p"),
+        "min_tokens": _integer(fields, "min_tokens", 0, INT32_MAX),
+        "stop_token_ids": _token_ids(fields.get("stop_token_ids"), "stop_token_ids"),
+        "logit_bias": _logit_bias(fields.get("logit_bias")),
     }
     return {name: value for name, value in given.items() if value is not None}
+
+
+def _token_ids(raw: object, name: str) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in raw):
+        raise BadRequest(f"{name} must be a list of token ids", name)
+    if len(raw) > MAX_STOP_TOKEN_IDS:  # before building anything of a long list
+        raise BadRequest(f"at most {MAX_STOP_TOKEN_IDS} {name}, got {len(raw)}", name)
+    return tuple(raw)
+
+
+def _logit_bias(raw: object) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's shape: {"<token id>": bias}, the ids written as decimal strings (JSON keys)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest('logit_bias must be an object of {"<token id>": bias}', "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise BadRequest(
+            f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens", "logit_bias"
+        )
+    pairs = []
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX):
+            raise BadRequest(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias")
+        bias = _number({"logit_bias": value}, "logit_bias")
+        if bias is None:
+            raise BadRequest(f"logit_bias for token {key} must be a number, not null", "logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
 
 
 def _max_tokens(fields: dict, *names: str) -> int | None:
