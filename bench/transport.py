@@ -38,7 +38,7 @@ from pdserve.kv.grpc_transport import GrpcKvSink, serve_push_kv_only
 from pdserve.kv.leases import LeaseLimits, LeaseTable
 from pdserve.kv.receiver import KvReceiver
 from pdserve.kv.sink import KvTarget
-from pdserve.kv.tcp_transport import DataPlaneServer, TcpKvSink
+from pdserve.kv.tcp_transport import DataPlaneLimits, DataPlaneServer, TcpKvSink
 
 FINGERPRINT = "bench"
 TOKENS = 4096  # per lease: one lease carries 4,096 tokens of every layer
@@ -82,7 +82,7 @@ async def _serve(kind, dtype, ports, leases_q, ready) -> None:
     if kind == "grpc":
         _server, port = await serve_push_kv_only(receiver)
     else:
-        plane = DataPlaneServer(receiver, idle_timeout=60)
+        plane = DataPlaneServer(receiver, DataPlaneLimits(stream_seconds=60))
         port = await plane.start("127.0.0.1", 0)
     ports.put(port)
     ready.set()

@@ -118,7 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument(
         "--readable-keys",
         action="store_true",
-        help="keys readable by every user (0644): for containers that run as another user",
+        help="keys readable by every user (0644) and DIRECTORY owner-only (0700): for containers "
+        "that run as another user and mount only their role's files",
+    )
+    certs.add_argument(
+        "--ca-key",
+        metavar="FILE",
+        help="keep the development CA's key in FILE (owner-only; not inside DIRECTORY), to sign "
+        "more certificates later; by default it is discarded once the certificates are signed",
     )
     certs.set_defaults(func=_run_certs)
     return parser
@@ -127,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_certs(args) -> int:
     from pdserve.certs import make_dev_certs
 
-    out = make_dev_certs(args.directory, readable_keys=args.readable_keys)
+    try:
+        out = make_dev_certs(args.directory, readable_keys=args.readable_keys, ca_key=args.ca_key)
+    except ValueError as exc:
+        print(f"pdserve certs: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote a development CA and certificates for router, prefill, decode, client to {out}")
     return 0
 

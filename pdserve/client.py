@@ -111,6 +111,11 @@ def add_health(sub) -> None:
     p = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING")
     p.add_argument("address", nargs="?", default="127.0.0.1:50051", help="host:port")
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument(
+        "--server-name",
+        help="over TLS, verify the server's certificate as this name (its role: prefill, "
+        "decode) instead of the address dialled",
+    )
     p.set_defaults(func=run_health)
 
 
@@ -127,6 +132,8 @@ def check_health(address: str, timeout: float, channel_factory=None) -> bool:
 
 
 def run_health(args) -> int:
-    healthy = check_health(args.address, args.timeout)
+    healthy = check_health(
+        args.address, args.timeout, lambda address: client_channel(address, args.server_name)
+    )
     print("SERVING" if healthy else "NOT SERVING")
     return 0 if healthy else 1

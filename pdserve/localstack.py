@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.client import check_health
-from pdserve.rpc.tls import Tls
+from pdserve.rpc.tls import Tls, target_name_option
 
 START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 15.0
@@ -96,7 +96,7 @@ def start_service(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     service = Service(role, port, proc, log_path, http_port)
-    channel = _health_channel(flags)
+    channel = _health_channel(flags, role)
     up = (
         (lambda: check_health(service.address, 1.0, channel))
         if ready
@@ -108,15 +108,17 @@ def start_service(
     return service
 
 
-def _health_channel(flags):
-    """How to reach the service's health check: with the TLS files its flags name, if any."""
+def _health_channel(flags, role: str):
+    """How to reach the service's health check: with the TLS files its flags name, if any, and
+    the server verified as `role` (prefill's and decode's certificates name no address)."""
     named = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--tls-")}
     tls = Tls.load(
         named.get("--tls-cert", ""), named.get("--tls-key", ""), named.get("--tls-ca", "")
     )
     if tls is None:
         return grpc.insecure_channel
-    return lambda address: grpc.secure_channel(address, tls.channel_credentials())
+    options = target_name_option(role) if role in ("router", "prefill", "decode") else None
+    return lambda address: grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def _listening(port: int) -> bool:

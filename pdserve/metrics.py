@@ -4,11 +4,15 @@ Names are in base units (seconds, bytes). Each service records what it sees: the
 client's latencies, prefill the send side of the handoff, decode the receive side and the pool.
 """
 
+import asyncio
+import concurrent.futures
 import logging
-from collections.abc import Iterable
-from typing import Callable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +244,127 @@ HTTP_REQUESTS = Counter(
 
 def record_http(endpoint: str, status: int) -> None:
     HTTP_REQUESTS.labels("router", endpoint, str(status)).inc()
+
+
+# --- The model-server protocol of the Gateway API Inference Extension ---
+# Its endpoint pickers scrape these names by default (the EPP's --total-queued-requests-metric,
+# --total-running-requests-metric, --kv-cache-usage-percentage-metric and --cache-info-metric
+# flags); the semantics are in its docs/proposals/003-model-server-protocol. The table of what
+# each one counts on router and decode is in README.md ("Metrics").
+PROTOCOL_WAITING = "vllm:num_requests_waiting"
+PROTOCOL_RUNNING = "vllm:num_requests_running"
+PROTOCOL_KV_USAGE = "vllm:kv_cache_usage_perc"
+PROTOCOL_CACHE_INFO = "vllm:cache_config_info"
+# A scrape that finds the event loop this busy reports nothing for the service rather than hang:
+# an endpoint picker treats the endpoint's figures as stale, which they would be.
+LOAD_READ_SECONDS = 1.0
+
+
+class _Pool(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def available_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Load:
+    """A service's load as an endpoint picker reads it: requests waiting and running, and the
+    KV pool behind it in blocks (used counts reserved and in use; idle prefix-cache blocks, which
+    a reservation evicts as it needs room, count as free, as in GetPoolStats and in vLLM)."""
+
+    waiting: int
+    running: int
+    used_blocks: int
+    total_blocks: int  # 0: no pool known yet (a router before its first decode report)
+    block_size: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @classmethod
+    def of_pool(cls, waiting: int, running: int, pool: _Pool) -> "Load":
+        used = pool.num_blocks - pool.available_blocks
+        return cls(waiting, running, used, pool.num_blocks, pool.block_size)
+
+
+class _ProtocolCollector:
+    """Builds the protocol metrics at scrape time from each watched service's Load, so they are
+    never stale. One collector per process: a second registration of the names would fail."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Callable[[], Load]] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        waiting = GaugeMetricFamily(
+            PROTOCOL_WAITING,
+            "Requests waiting: router, admitted and waiting for decode room; decode, "
+            "reservations whose KV is not yet committed (pdserve_queue_depth on the router)",
+            labels=["service"],
+        )
+        running = GaugeMetricFamily(
+            PROTOCOL_RUNNING,
+            "Requests running: router, those holding a decode reservation; decode, sequences "
+            "being decoded (pdserve_running_sequences)",
+            labels=["service"],
+        )
+        usage = GaugeMetricFamily(
+            PROTOCOL_KV_USAGE,
+            "KV-cache utilisation in [0, 1]: used blocks / total blocks of decode's pool (on the "
+            "router, of every healthy decode instance it sees, as last reported)",
+            labels=["service"],
+        )
+        info = GaugeMetricFamily(
+            PROTOCOL_CACHE_INFO,
+            "The KV pool's configuration, in labels: block_size (tokens per block) and "
+            "num_gpu_blocks (blocks in the pool; on the router, summed over its decodes)",
+            labels=["service", "block_size", "num_gpu_blocks"],
+        )
+        for service, read in list(self.sources.items()):
+            load = _read_or_none(service, read)
+            if load is None:
+                continue
+            waiting.add_metric([service], load.waiting)
+            running.add_metric([service], load.running)
+            usage.add_metric([service], load.kv_usage)
+            if load.total_blocks:  # no configuration to tell before a pool is known
+                info.add_metric([service, str(load.block_size), str(load.total_blocks)], 1)
+        yield from (waiting, running, usage, info)
+
+
+def _read_or_none(service: str, read: Callable[[], Load]) -> Load | None:
+    try:
+        return read()
+    except Exception as exc:  # a scrape must not fail for every metric because of these
+        log.debug("no protocol metrics for %s this scrape: %r", service, exc)
+        return None
+
+
+_PROTOCOL = _ProtocolCollector()
+
+
+def watch_load(service: str, read: Callable[[], Load]) -> None:
+    """Serves the protocol metrics of `service` from `read`, called at scrape time on the event
+    loop this is called from: the figures it reads (lease tables, instance lists) change on that
+    loop, and are read there in one go, as GetPoolStats reads them."""
+    loop = asyncio.get_running_loop()
+    if not _PROTOCOL.sources:
+        REGISTRY.register(_PROTOCOL)
+    _PROTOCOL.sources[service] = lambda: _on_loop(loop, read)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, read: Callable[[], Load]) -> Load:
+    """`read()` run on `loop`, from the scrape thread."""
+    done: concurrent.futures.Future[Load] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(read())
+        except Exception as exc:
+            done.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    return done.result(LOAD_READ_SECONDS)

@@ -161,6 +161,29 @@ class DecodeSettings:
         "together; beyond it a reservation is refused (RESOURCE_EXHAUSTED), so callers that "
         "reserve and never send KV cannot take every block",
     )
+    max_kv_streams: int = setting(
+        0,
+        "DecodeService.PushKv streams received at once; more are refused at once "
+        "(RESOURCE_EXHAUSTED). It must be below --max-concurrent-rpcs, which PushKv shares with "
+        "the router's calls, so that KV streams cannot take every one of them. 0: a quarter of "
+        "--max-concurrent-rpcs (at least 1)",
+    )
+    kv_first_frame_seconds: float = setting(
+        10.0,
+        "a PushKv stream whose first message has not arrived this long after the call began is "
+        "ended (DEADLINE_EXCEEDED; prefill opens the call with its first chunk ready); a whole "
+        "stream may last at most --lease-ttl-seconds",
+    )
+    max_kv_connections: int = setting(
+        256,
+        "connections the TCP data plane holds open at once; more are refused "
+        "(RESOURCE_EXHAUSTED) as they connect",
+    )
+    max_kv_connections_per_peer: int = setting(
+        64,
+        "connections the TCP data plane holds open at once from one address (a prefill "
+        "instance opens one per KV handoff in flight, up to its --max-concurrent-prefills)",
+    )
     kv_data_port: int = setting(
         0,
         "port of the TCP data plane that receives KV, offered with every lease; 0: any free "
@@ -188,13 +211,28 @@ class DecodeSettings:
             "lease_ttl_seconds",
             "lease_first_chunk_seconds",
             "local_prefill_chunk_tokens",
+            "kv_first_frame_seconds",
+            "max_kv_connections",
+            "max_kv_connections_per_peer",
         )
+        if self.max_kv_streams < 0:
+            raise ValueError(f"--max-kv-streams {self.max_kv_streams}: expected 0 or positive")
+        if 0 < self.common.max_concurrent_rpcs <= self.max_kv_streams:
+            raise ValueError(
+                f"--max-kv-streams {self.max_kv_streams} must be below --max-concurrent-rpcs "
+                f"{self.common.max_concurrent_rpcs}, or KV streams could lock the router out"
+            )
         if not 0 < self.max_pending_lease_share <= 1:
             raise ValueError(
                 f"--max-pending-lease-share {self.max_pending_lease_share}: expected (0, 1]"
             )
         if not -1 <= self.kv_data_port <= 65535:
             raise ValueError(f"--kv-data-port {self.kv_data_port}: expected -1, 0 or a port")
+
+    @property
+    def kv_stream_limit(self) -> int:
+        """--max-kv-streams, with 0 resolved against --max-concurrent-rpcs."""
+        return self.max_kv_streams or max(1, self.common.max_concurrent_rpcs // 4)
 
 
 @dataclass(frozen=True)
@@ -286,6 +324,14 @@ class RouterSettings:
     max_queue: int = setting(
         256, "requests that may wait for decode room; more get RESOURCE_EXHAUSTED"
     )
+    max_queue_share_per_client: float = setting(
+        0.5,
+        "share of --max-queue that one client (an API key, or else an address) may have waiting "
+        "for decode room; more of its requests get RESOURCE_EXHAUSTED (HTTP 429), so that one "
+        "client's burst cannot fill the queue. Clients take turns at the room that frees (round "
+        "robin over per-client lines), so one waits behind another's burst for one turn, not "
+        "for all of it",
+    )
     queue_timeout_seconds: float = setting(30.0, "longest wait for decode room")
     max_migrations: int = setting(
         2,
@@ -309,6 +355,14 @@ class RouterSettings:
         "its own client's, the client being its API key, else its address; so no client can "
         "tell from its time to first token what another sent), or shared (every client's: "
         "more hits, for clients that trust one another)",
+    )
+    prefix_cache_secret_file: str = setting(
+        "",
+        "a file of at least 16 secret bytes that keys the prefix-cache salt of each client known "
+        "by its address (without --api-key), so that no one else can compute it and probe or "
+        "fill that client's cached prefixes; give every router the same file so that a client "
+        "keeps its salt whichever router it reaches. Empty: a secret made at start, this "
+        "router's own",
     )
     max_attempts: int = setting(
         3,
@@ -380,6 +434,15 @@ class RouterSettings:
         for name in ("max_streams_per_client", "max_tokens_per_second_per_client"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_described(self, name)} must be 0 (no limit) or positive")
+        if not 0 < self.max_queue_share_per_client <= 1:
+            raise ValueError(
+                f"--max-queue-share-per-client {self.max_queue_share_per_client}: expected (0, 1]"
+            )
+
+    @property
+    def max_queue_per_client(self) -> int:
+        """Requests one client may have waiting: --max-queue-share-per-client of --max-queue."""
+        return max(1, int(self.max_queue_share_per_client * self.max_queue))
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,15 @@ class Stack:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self.channels:
+            # Over TLS, each server verified as its role: prefill's and decode's certificates
+            # name no address (pdserve/certs.py).
+            role = next(
+                s.role for s in [self.router, *self.prefills, *self.decodes] if s.address == address
+            )
             self.channels[address] = (
-                grpc.secure_channel(address, self.credentials)
+                grpc.secure_channel(
+                    address, self.credentials, options=[("grpc.ssl_target_name_override", role)]
+                )
                 if self.credentials
                 else grpc.insecure_channel(address)
             )

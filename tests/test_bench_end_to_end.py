@@ -1,4 +1,5 @@
-"""`pdserve bench` against a real stack: `pdserve up` on a free port, 20 requests at 8 req/s."""
+"""`pdserve bench` against a real stack: `pdserve up` on a free port, 20 requests at 8 req/s,
+its services' /metrics read too."""
 
 import json
 import os
@@ -21,8 +22,20 @@ NUM_REQUESTS = 20
 @pytest.fixture(scope="module")
 def stack():
     port = free_port()
+    metrics_port = free_port()  # router; prefill and decode on the next two
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--http-port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+            "--metrics-base-port",
+            str(metrics_port),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -39,7 +52,7 @@ def stack():
             if time.monotonic() > deadline:
                 pytest.fail(f"the stack was not serving after {READY_SECONDS:.0f} s")
             time.sleep(0.25)
-        yield address
+        yield address, metrics_port
     finally:
         _stop(proc)
 
@@ -61,11 +74,23 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_bench_against_stack(stack, tmp_path, capsys):
+    stack, metrics_port = stack
     out = tmp_path / "run.json"
     rc = cli.main(
         [
             "--address",
             stack,
+            "--percentiles",
+            "50,90,99,99.9",
+            "--goodput",
+            "ttft:5000",
+            "tpot:1000",
+            "--prefill-cores",
+            "1",
+            "--decode-cores",
+            "2",
+            "--metrics-url",
+            *(f"http://127.0.0.1:{metrics_port + i}/metrics" for i in (1, 2)),
             "--rate",
             "8",
             "-n",
@@ -150,6 +175,43 @@ def test_bench_against_stack(stack, tmp_path, capsys):
         d = s[key]
         assert d["p50"] is not None and d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
     assert s["goodput"] <= s["request_throughput"]
+    assert s["slo_attainment"] == s["requests_meeting_slo"] / NUM_REQUESTS
+    assert 0 <= s["slo_attainment_per_token"] <= 1
+
+    # vLLM's result keys, with its meanings and units (ms).
+    assert (s["completed"], s["failed"]) == (NUM_REQUESTS, 0)
+    assert s["total_input_tokens"] == s["input_tokens"]
+    assert s["total_output_tokens"] == s["output_tokens"]
+    assert s["output_throughput"] == pytest.approx(s["output_tokens"] / s["duration"])
+    assert s["request_goodput"] == s["goodput"] <= s["request_throughput"]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert s[f"mean_{name}_ms"] > 0 and s[f"std_{name}_ms"] >= 0
+        assert s[f"median_{name}_ms"] <= s[f"p99_{name}_ms"] <= s[f"p99.9_{name}_ms"]
+        assert s[f"p50_{name}_ms"] == s[f"median_{name}_ms"]
+    assert s["p99_ttft_ms"] == pytest.approx(s["ttft_seconds"]["p99"] * 1e3)
+    assert s["ttft_seconds"]["p99.9"] >= s["ttft_seconds"]["p99"]
+    assert s["mean_handoff_ms"] > 0 and s["median_handoff_exposed_ms"] >= 0
+    assert s["handoff_transports"] and s["prefill_paths"] == {"prefill": NUM_REQUESTS}
+    assert run["input_lens"] == [r["prompt_tokens"] for r in requests]
+    assert run["output_lens"] == [r["output_tokens"] for r in requests]
+    assert run["ttfts"] == [r["ttft"] for r in requests] and run["errors"] == [""] * NUM_REQUESTS
+    assert all(r["meets_slo"] for r in requests)  # objectives far above TinyGPT's latencies
+
+    # Each role: prefix hits from the responses, and what its /metrics counted over the run.
+    roles = s["roles"]
+    prefill, decode = roles["prefill"], roles["decode"]
+    assert prefill["prefix_cache"]["lookup_tokens"] == s["input_tokens"]
+    assert 0 <= prefill["prefix_cache"]["hit_rate"] <= 1
+    assert 0 <= decode["prefix_cache"]["hit_rate"] <= 1
+    assert prefill["tokens_per_second_per_core"] == pytest.approx(prefill["tokens_per_second"])
+    assert decode["tokens_per_second_per_core"] == pytest.approx(s["output_throughput"] / 2)
+    for role in (prefill, decode):
+        srv = role["server_metrics"]
+        assert srv["instances"] == 1 and srv["cpu_seconds"] > 0 and srv["busy_cores"] > 0
+        # Nothing else is sent to this stack, so its counters saw exactly the bench's prompts.
+        assert srv["prefix_lookup_tokens"] == role["prefix_cache"]["lookup_tokens"]
+        assert srv["prefix_hit_tokens"] == role["prefix_cache"]["hit_tokens"]
+    assert prefill["server_metrics"]["prompt_tokens"] == prefill["prompt_tokens_computed"]
 
     # Re-rendering saved results (and a chart, when matplotlib is there) needs no server.
     args = ["--from-json", str(out)]

@@ -377,3 +377,168 @@ def test_cli_rates_presets_and_times():
     assert rates == [4.0, 8.0] and options.num_requests == 20 and spec.seed == 7
     spec, rates, options, _ = cli.build(parser.parse_args(["bench", "--duration", "3"]))
     assert options.num_requests is None and options.duration == 3.0
+
+
+# ---------------------------------------------------------------------------------- vLLM's keys
+
+
+def _timed(i, sent, ttft, itl, status="OK", max_tokens=None, **kw):
+    """A request sent at `sent`, its first token at ttft and the rest `itl` apart."""
+    tokens = len(itl) + 1 if status == "OK" else 0
+    return RequestResult(
+        index=i,
+        request_id=str(i),
+        prompt_tokens=100,
+        max_tokens=max_tokens or tokens,
+        scheduled=0.0,
+        sent=sent,
+        status=status,
+        error="" if status == "OK" else "boom",
+        ttft=ttft if status == "OK" else None,
+        e2e=ttft + sum(itl) if status == "OK" else None,
+        output_tokens=tokens,
+        itl=list(itl),
+        **kw,
+    )
+
+
+def _three():
+    return [
+        _timed(0, 0.0, 0.1, [0.1] * 4),  # e2e 0.5, TPOT 0.1: meets TTFT 200 ms and TPOT 150 ms
+        _timed(1, 0.2, 0.3, [0.2] * 3),  # e2e 0.9, TPOT 0.2: misses both
+        _timed(2, 0.4, 0.0, [], status="UNAVAILABLE", max_tokens=3),
+    ]
+
+
+def test_percentile_flags_and_vllm_naming():
+    assert stats.parse_percentiles("50, 90,p99.9,90") == (50.0, 90.0, 99.9)
+    with pytest.raises(ValueError):
+        stats.parse_percentiles("101")
+    assert [stats.percentile_word(q) for q in (99.0, 99.9, 50)] == ["99", "99.9", "50"]
+    d = stats.describe([1.0, 2.0, 3.0, 4.0], [25, 99.9])
+    assert d["p25"] == pytest.approx(1.75) and d["p99.9"] == pytest.approx(3.997)
+    assert {"p50", "p90", "p99"} <= d.keys()  # kept for the text, sweep table and charts
+    assert stats.std([100.0, 300.0]) == pytest.approx(100.0)  # population, as np.std
+
+
+def test_vllm_metrics_hand_computed():
+    m = stats.vllm_metrics(_three(), 2.0, slo_ttft=0.2, slo_tpot=0.15, percentiles=(50, 99))
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (200, 9)
+    assert m["duration"] == 2.0 and m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(4.5)
+    assert m["total_token_throughput"] == pytest.approx(104.5)
+    assert m["request_goodput"] == pytest.approx(0.5)  # request 0 alone, over 2 s
+    # TTFT 100 and 300 ms; TPOT 100 and 200 ms; ITL 4 x 100 and 3 x 200 ms; E2EL 500, 900 ms.
+    assert (m["mean_ttft_ms"], m["median_ttft_ms"], m["std_ttft_ms"]) == pytest.approx(
+        (200.0, 200.0, 100.0)
+    )
+    assert m["p50_ttft_ms"] == pytest.approx(200.0) and m["p99_ttft_ms"] == pytest.approx(298.0)
+    assert (m["mean_tpot_ms"], m["std_tpot_ms"], m["p99_tpot_ms"]) == pytest.approx(
+        (150.0, 50.0, 199.0)
+    )
+    assert m["mean_itl_ms"] == pytest.approx(1000 / 7) and m["median_itl_ms"] == pytest.approx(100)
+    assert m["std_itl_ms"] == pytest.approx(100 * math.sqrt(12) / 7)  # sqrt(4/7 * 3/7) * 100
+    assert m["p99_itl_ms"] == pytest.approx(200.0)
+    assert (m["mean_e2el_ms"], m["median_e2el_ms"]) == pytest.approx((700.0, 700.0))
+    assert "p90_ttft_ms" not in m  # only the percentiles asked for
+    # Tokens at 0.1..0.5 s (request 0) and 0.5, 0.7, 0.9, 1.1 s (request 1): 8 in the first
+    # second; both requests are active in it.
+    assert (m["max_output_tokens_per_s"], m["max_concurrent_requests"]) == (8.0, 2)
+    assert stats.vllm_metrics(_three(), 2.0)["request_goodput"] is None  # no objective
+    lists = stats.vllm_lists(_three())
+    assert lists["input_lens"] == [100, 100, 100] and lists["output_lens"] == [5, 4, 0]
+    assert lists["ttfts"] == [0.1, 0.3, 0.0] and lists["errors"] == ["", "", "boom"]
+    assert lists["latencies"] == pytest.approx([0.5, 0.9, 0.0])
+    assert lists["itls"][1] == [0.2] * 3 and lists["start_times"] == [0.0, 0.2, 0.4]
+
+
+def test_slo_attainment_per_request_and_per_token():
+    s = stats.summarize(_three(), 2.0, slo_ttft=0.2, slo_tpot=0.15)
+    assert s["requests_meeting_slo"] == 1 and s["goodput"] == pytest.approx(0.5)
+    assert s["request_goodput"] == s["goodput"]
+    assert s["slo_attainment"] == pytest.approx(1 / 3)  # the failed request misses
+    assert s["slo_attainment_by_objective"] == pytest.approx({"ttft": 1 / 3, "tpot": 1 / 3})
+    # Request 0: 5 of 5 on time; request 1: late first token, gaps of 200 > 150 ms: 0 of 4;
+    # the failed one: its 3 asked-for tokens late. 5 of 12.
+    assert s["slo_attainment_per_token"] == pytest.approx(5 / 12)
+    assert s["output_token_goodput"] == pytest.approx(5 / 2.0)
+    # Only the TPOT objective: request 1's first token is on time, its gaps still late.
+    assert stats.token_attainment(_three(), None, 0.15) == pytest.approx(6 / 12)
+    # An E2EL objective of 600 ms: request 0 (500 ms) meets it, request 1 (900 ms) does not.
+    assert stats.goodput(_three(), 2.0, None, None, 0.6) == pytest.approx(0.5)
+    assert stats.goodput(_three(), 2.0, None, None, 1.0) == pytest.approx(1.0)
+    assert s["p99_ttft_ms"] == pytest.approx(298.0) and s["ttft_seconds"]["p99"] == 0.298
+
+
+def test_goodput_flag_takes_vllms_syntax():
+    assert cli.parse_goodput(["ttft:500", "tpot:100"]) == {"ttft": 0.5, "tpot": 0.1}
+    assert cli.parse_goodput(["e2el:2000,ttft:50"]) == {"e2el": 2.0, "ttft": 0.05}
+    for bad in (["ttft"], ["itl:5"], ["ttft:-1"]):
+        with pytest.raises(ValueError):
+            cli.parse_goodput(bad)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli.add_bench(parser.add_subparsers())
+    v = cli.resolve(parser.parse_args(["bench", "--goodput", "ttft:500", "e2el:3000"]))
+    assert (v["slo_ttft"], v["slo_tpot"], v["slo_e2el"]) == (0.5, None, 3.0)  # as vLLM: no TPOT
+    v = cli.resolve(parser.parse_args(["bench"]))
+    assert (v["slo_ttft"], v["slo_tpot"], v["slo_e2el"]) == (0.5, 0.05, None)
+    with pytest.raises(ValueError, match="not both"):
+        cli.resolve(parser.parse_args(["bench", "--goodput", "ttft:5", "--slo-tpot", "1"]))
+    args = parser.parse_args(["bench", "--metric-percentiles", "90,99.9"])
+    assert args.percentiles == (90.0, 99.9)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--percentiles", "200"])
+
+
+def test_roles_prefix_hit_rates_and_throughput_per_core():
+    results = _three()
+    results[0].server = {"prefill_path": "prefill", "prefill_cached_tokens": 40}
+    results[0].server["prefix_cached_tokens"] = 20
+    results[1].server = {"prefill_path": "decode", "prefix_cached_tokens": 30}
+    r = stats.roles(results, 2.0, prefill_cores=2, decode_cores=0.5)
+    # Prefill saw request 0 alone: 40 of its 100 prompt tokens cached, 60 computed in 2 s.
+    assert r["prefill"]["prefix_cache"] == {"lookup_tokens": 100, "hit_tokens": 40, "hit_rate": 0.4}
+    assert (
+        r["prefill"]["tokens_per_second"] == 30 and r["prefill"]["tokens_per_second_per_core"] == 15
+    )
+    # Decode looked up both prompts: 20 + 30 of 200 tokens; 9 output tokens in 2 s on 0.5 cores.
+    assert r["decode"]["prefix_cache"]["hit_rate"] == pytest.approx(0.25)
+    assert r["decode"]["prefilled_here"] == 1
+    assert r["decode"]["tokens_per_second_per_core"] == pytest.approx(9.0)
+    scraped = {"roles": {"prefill": {"cpu_seconds": 1.5, "prompt_tokens": 60.0}}}
+    srv = stats.roles(results, 2.0, scraped=scraped)["prefill"]["server_metrics"]
+    assert srv["busy_cores"] == pytest.approx(0.75) and srv["tokens_per_cpu_second"] == 40
+    colocated = stats.roles(_three(), 2.0)
+    assert colocated["prefill"]["prefix_cache"]["hit_rate"] is None and "note" in colocated
+
+
+def test_scrape_parses_counters_by_role():
+    from pdserve.loadtest import scrape
+
+    def text(cpu, hits, prompt):
+        return (
+            "# TYPE process_cpu_seconds_total counter\n"
+            f"process_cpu_seconds_total {cpu}\n"
+            "# TYPE pdserve_prefix_cache_lookup_tokens_total counter\n"
+            f'pdserve_prefix_cache_lookup_tokens_total{{service="prefill"}} {4 * hits}\n'
+            "# TYPE pdserve_prefix_cache_hit_tokens_total counter\n"
+            f'pdserve_prefix_cache_hit_tokens_total{{service="prefill"}} {hits}\n'
+            "# TYPE pdserve_tokens_total counter\n"
+            f'pdserve_tokens_total{{kind="prompt",service="prefill"}} {prompt}\n'
+        )
+
+    before = [{"url": "a", **scrape.parse(text(1.0, 10, 100))}, {"url": "b", "error": "refused"}]
+    after = [{"url": "a", **scrape.parse(text(3.5, 30, 400))}, {"url": "b", "error": "refused"}]
+    assert before[0]["role"] == "prefill"
+    d = scrape.deltas(before, after)
+    assert d["roles"]["prefill"] == {
+        "cpu_seconds": 2.5,
+        "prefix_lookup_tokens": 80.0,
+        "prefix_hit_tokens": 20.0,
+        "prompt_tokens": 300.0,
+        "instances": 1,
+    }
+    assert d["errors"] == ["b: refused"]

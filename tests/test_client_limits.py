@@ -4,6 +4,7 @@ Each test starts its own router, with the flags under test, over one prefill and
 """
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 from procs import Stack, free_port, generate, greedy_request, start_router, start_service
 from procs import wait_until
 from pdserve.rpc.tls import aio_client_channel
-from pdserve.services.router.clients import ApiKeys
+from pdserve.services.router.clients import ApiKeys, CacheSalts, load_salt_secret
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 KEYS = "key-of-alice,key-of-bob"
@@ -243,9 +244,89 @@ def test_a_keys_cache_salt_follows_the_key_not_its_place_in_the_list():
     """Reordering --api-key renames the keys ('key #i') but must not hand one client's cached
     prefixes to another: the salt comes from the key itself."""
     before, after = ApiKeys("key-of-alice,key-of-bob"), ApiKeys("key-of-bob,key-of-alice")
-    alice_before = before.cache_salt(before.client_of("Bearer key-of-alice") or "")
-    alice_after = after.cache_salt(after.client_of("Bearer key-of-alice") or "")
-    bob_after = after.cache_salt(after.client_of("Bearer key-of-bob") or "")
+    salts_before, salts_after = CacheSalts(before, b"s" * 32), CacheSalts(after, b"t" * 32)
+    alice_before = salts_before.of(before.client_of("Bearer key-of-alice") or "")
+    alice_after = salts_after.of(after.client_of("Bearer key-of-alice") or "")
+    bob_after = salts_after.of(after.client_of("Bearer key-of-bob") or "")
     assert alice_before == alice_after != bob_after
-    assert ApiKeys("").cache_salt("10.0.0.1") != ApiKeys("").cache_salt("10.0.0.2")
     assert len(alice_before) == 16
+
+
+def test_an_address_salt_needs_the_routers_secret(tmp_path):
+    """A client known by its address gets a salt keyed by the routers' secret: no one without
+    it can compute the salt (it was blake2b of the address, which anyone could), two routers
+    with one --prefix-cache-secret-file agree, and a router without one makes its own."""
+    shared = tmp_path / "secret"
+    shared.write_bytes(b"0123456789abcdef-shared")
+    a, b = (CacheSalts(ApiKeys(""), load_salt_secret(str(shared))) for _ in range(2))
+    assert a.of("10.0.0.1") == b.of("10.0.0.1") != a.of("10.0.0.2")
+    unkeyed = hashlib.blake2b(b"10.0.0.1", digest_size=16, person=b"pdserve-addr").digest()
+    assert a.of("10.0.0.1") != unkeyed
+    fresh = CacheSalts(ApiKeys(""), load_salt_secret(""))
+    assert fresh.of("10.0.0.1") not in (a.of("10.0.0.1"), unkeyed)
+    (tmp_path / "short").write_bytes(b"too short")
+    with pytest.raises(ValueError, match="at least 16 secret bytes"):
+        load_salt_secret(str(tmp_path / "short"))
+    with pytest.raises(ValueError, match="No such file"):
+        load_salt_secret(str(tmp_path / "missing"))
+
+
+def test_a_clients_burst_cannot_fill_the_queue_nor_make_another_wait_behind_it(router_with):
+    """Under the defaults. Alice's 8 streams of 4,096 tokens fill the decode pool, and her burst
+    of more waits in the router's queue: past her share of it (half of --max-queue) she is
+    refused, naming the flag. Bob's request waits too, but in his own line; when one stream
+    ends, the room goes to him (the client served least recently), not to the head of Alice's
+    burst. In one first-come-first-served line he would wait behind all of it."""
+    metrics_port = free_port()
+    stack = router_with("--api-key", KEYS, "--metrics-port", str(metrics_port))
+    share = 128  # --max-queue-share-per-client 0.5 of --max-queue 256
+    long, short = greedy_request([9] * 8, 4088), greedy_request([1, 2, 3], 2)  # 256 blocks, 1
+
+    def queued() -> int:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith('pdserve_queue_depth{service="router"}'):
+                    return int(float(line.split()[-1]))
+        return -1
+
+    async def until(condition, timeout: float, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await asyncio.to_thread(condition):
+            assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(stack.router.address) as channel:
+            stub = pb_grpc.RouterServiceStub(channel)
+            alice = as_client("key-of-alice")
+            running = [stub.Generate(long, timeout=60, metadata=alice) for _ in range(8)]
+            burst, reads = [], []
+            try:
+                for call in running:
+                    await call.read()  # its first token: it holds its room
+                assert stack.pool_stats().free_blocks == 0
+                burst = [stub.Generate(long, timeout=60, metadata=alice) for _ in range(share + 4)]
+                reads = [asyncio.ensure_future(call.read()) for call in burst]
+                await until(lambda: queued() == share, 15, "Alice's share of the queue to fill")
+                await until(lambda: sum(r.done() for r in reads) == 4, 5, "4 refusals")
+                refused = [call for call, r in zip(burst, reads) if r.done()]
+                for call in refused:
+                    assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "--max-queue-share-per-client 0.5" in await call.details()
+                bob = stub.Generate(short, timeout=30, metadata=as_client("key-of-bob"))
+                await until(lambda: queued() == share + 1, 5, "Bob's request to wait in line")
+                running[0].cancel()  # one room frees
+                tokens = await asyncio.wait_for(_tokens(bob), 5)
+                assert len(tokens) == 2
+                assert queued() == share  # Alice's burst still waits: none of it went first
+            finally:
+                for call in running + burst:
+                    call.cancel()
+                await asyncio.gather(*reads, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+async def _tokens(call) -> list[int]:
+    return [t async for response in call for t in response.token_ids]

@@ -5,8 +5,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from procs import generate, greedy_request, start_service
+import reference
 from reference import check_against_reference, greedy_generate
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -107,4 +109,17 @@ def test_colocated_serves_the_openai_api_with_the_same_tokens(colocated):
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         with pytest.raises(openai.BadRequestError):  # past the context: 400, as the router
             sdk.completions.create(model="tinygpt", prompt=prompt, max_tokens=10**6)
+        # It scores a prompt (echo) between its steps, as prefill does for the router.
+        scored = (
+            sdk.completions.create(
+                model="tinygpt", prompt=prompt, max_tokens=0, echo=True, logprobs=1
+            )
+            .choices[0]
+            .logprobs
+        )
     assert text == expected and text
+    reference_logits = reference.model().forward_contiguous(prompt, [])
+    expected_logprobs = torch.log_softmax(reference_logits.double(), -1)
+    assert scored.token_logprobs[0] is None and len(scored.token_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert abs(scored.token_logprobs[i] - float(expected_logprobs[i - 1, prompt[i]])) < 1e-4

@@ -13,6 +13,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 
 from procs import Stack, free_port, generate, start_router, start_service, wait_until
 import reference
@@ -136,6 +137,100 @@ def test_penalties_follow_their_definition_against_the_reference_path(stack):
         logits = reference.model().forward_contiguous([token], cache)[-1]
 
 
+# Batched and contiguous logits differ by ~2e-5 here (see reference.TOLERANCE); so do their
+# log-softmaxes.
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "seeded"])
+def test_logprobs_are_the_reference_log_softmax_after_temperature(stack, temperature):
+    """Each token's logprob, and its top 3, equal log_softmax(logits / T) of the reference path
+    (T = 1 for greedy), teacher-forced on the served tokens; the first token's came from
+    prefill, through the KV commit. gRPC carries the same values, with token ids."""
+    sampling = dict(temperature=temperature, seed=5)
+    reply = complete(stack, max_tokens=10, logprobs=3, **sampling)
+    logprobs = reply.choices[0].logprobs
+    request = pb.GenerateRequest(
+        prompt=PROMPT,
+        sampling=pb.SamplingParams(
+            max_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=3, **sampling
+        ),
+    )
+    served, by_id = [], []
+    for response in stack.router_stub().Generate(request, timeout=TIMEOUT):
+        served += response.token_ids
+        by_id += response.logprobs
+    assert [lp.token_id for lp in by_id] == served and len(served) == 10
+    assert logprobs.token_logprobs == [lp.logprob for lp in by_id]
+    assert logprobs.tokens == [bytes([t]).decode(errors="replace") for t in served]
+    assert logprobs.text_offset == list(range(10))  # one character per byte token
+    cache: list = []
+    logits = reference.model().forward_contiguous(list(PROMPT.encode()), cache)[-1]
+    for i, (token, lp) in enumerate(zip(served, by_id)):
+        expected = torch.log_softmax(logits.double() / (temperature or 1.0), -1)
+        assert abs(lp.logprob - float(expected[token])) < LOGPROB_TOLERANCE, i
+        assert len(lp.top) == 3
+        for alternative in lp.top:
+            assert (
+                abs(alternative.logprob - float(expected[alternative.token_id])) < LOGPROB_TOLERANCE
+            )
+        third = float(expected.sort(descending=True).values[2])
+        assert lp.top[2].logprob >= third - LOGPROB_TOLERANCE  # they are the 3 most likely
+        logits = reference.model().forward_contiguous([token], cache)[-1]
+
+
+def test_streamed_logprobs_equal_the_whole_reply(stack):
+    whole = complete(stack, max_tokens=8, logprobs=2).choices[0].logprobs
+    chunks = [c for c in complete(stack, max_tokens=8, logprobs=2, stream=True) if c.choices]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [lp.tokens[0] for lp in streamed] == whole.tokens
+    assert [lp.token_logprobs[0] for lp in streamed] == whole.token_logprobs
+    assert [lp.text_offset[0] for lp in streamed] == whole.text_offset
+    assert [lp.top_logprobs[0] for lp in streamed] == whole.top_logprobs
+
+
+def prompt_log_softmax(prompt: str):
+    """The reference path's log-softmax at every prompt position, float64 [tokens, vocab]."""
+    logits = reference.model().forward_contiguous(list(prompt.encode()), [])
+    return torch.log_softmax(logits.double(), -1)
+
+
+def check_scored_prompt(logprobs, prompt: str, top: int) -> None:
+    """Entry 0 is null; entry i is prompt token i's log-probability after the ones before it,
+    with `top` alternatives (and the token itself), as the reference computes them."""
+    expected, ids = prompt_log_softmax(prompt), list(prompt.encode())
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[i] - float(expected[i - 1, ids[i]])) < LOGPROB_TOLERANCE
+        assert top <= len(logprobs.top_logprobs[i]) <= top + 1
+    assert logprobs.tokens[: len(ids)] == list(prompt)  # ASCII: one character per token
+
+
+def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(stack):
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0."""
+    reply = complete(stack, max_tokens=0, echo=True, logprobs=2)
+    choice = reply.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == len(PROMPT)
+    assert len(choice.logprobs.tokens) == len(PROMPT)
+    check_scored_prompt(choice.logprobs, PROMPT, 2)
+    assert choice.logprobs.text_offset == list(range(len(PROMPT)))
+
+
+def test_echo_with_tokens_is_the_prompt_then_the_completion(stack):
+    plain = complete(stack, max_tokens=4, logprobs=1).choices[0]
+    echoed = complete(stack, max_tokens=4, logprobs=1, echo=True).choices[0]
+    assert echoed.text == PROMPT + plain.text
+    check_scored_prompt(echoed.logprobs, PROMPT, 1)
+    assert echoed.logprobs.token_logprobs[len(PROMPT) :] == plain.logprobs.token_logprobs
+    assert echoed.logprobs.text_offset[len(PROMPT)] == len(PROMPT)
+    assert complete(stack, max_tokens=3, echo=True).choices[0].text.startswith(PROMPT)
+
+
+def test_no_logprobs_unless_asked(stack):
+    assert complete(stack, max_tokens=3).choices[0].logprobs is None
+
+
 def penalised(logits, prompt, output, repetition_penalty, frequency_penalty, presence_penalty):
     shaped = logits.double().clone()
     for token in set(prompt + output):
@@ -241,7 +336,8 @@ BAD_INPUT = {
     "empty body": (b"", JSON, 400, "empty", None),
     "not an object": (b"[1, 2]", JSON, 400, "JSON object", None),
     "unknown field": (body(tools=[]), JSON, 400, "'tools'", "tools"),
-    "logprobs asked for": (body(logprobs=2), JSON, 400, "logprobs=2 is not supported", "logprobs"),
+    "logprobs over 20": (body(logprobs=21), JSON, 400, "[0, 20]", "logprobs"),
+    "echo while streaming": (body(echo=True, stream=True), JSON, 400, "without streaming", "echo"),
     "repetition penalty 0": (body(repetition_penalty=0), JSON, 400, "must be > 0", None),
     "frequency penalty out of range": (body(frequency_penalty=3), JSON, 400, "[-2, 2]", None),
     "min_tokens over max_tokens": (body(min_tokens=3), JSON, 400, "min_tokens", None),
@@ -266,8 +362,10 @@ BAD_INPUT = {
         "list of token ids",
         "stop_token_ids",
     ),
-    "echo as a number": (body(echo=0), JSON, 400, "echo=0", "echo"),
-    "max_tokens 0": (body(max_tokens=0), JSON, 400, "max_tokens", None),
+    "echo as a number": (body(echo=0), JSON, 400, "echo must be true or false", "echo"),
+    "max_tokens 0 without echo": (body(max_tokens=0), JSON, 400, "max_tokens", None),
+    # 2.6 MB of JSON, checked in a thread rather than on the router's event loop.
+    "a million token ids": (body(prompt=[1] * 1_000_000), JSON, 400, "context length", None),
     "max_tokens negative": (body(max_tokens=-5), JSON, 400, "max_tokens", None),
     "max_tokens over the context": (body(max_tokens=MAX_CONTEXT), JSON, 400, "context", None),
     "max_tokens not an integer": (body(max_tokens=2.5), JSON, 400, "integer", "max_tokens"),

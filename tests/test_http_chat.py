@@ -86,6 +86,33 @@ def test_streamed_chat_is_the_same_text_one_chunk_per_token(chat):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(deltas)
 
 
+def test_chat_logprobs_have_openai_shape_and_spell_the_reply(chat):
+    """Chat logprobs: one entry per token whose bytes, joined, are the reply's text, each with
+    its top 2 alternatives, most likely first; the stream carries the same entries."""
+    fields = dict(model="llama-tied", messages=MESSAGES, max_tokens=12, temperature=0)
+    reply = sdk(chat).chat.completions.create(**fields, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    spelled = b"".join(bytes(entry.bytes) for entry in content)
+    assert spelled.decode(errors="replace") == reply.choices[0].message.content
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token  # greedy
+        assert entry.logprob == entry.top_logprobs[0].logprob <= 0
+    stream = sdk(chat).chat.completions.create(**fields, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = sdk(chat).chat.completions.create(**fields)
+    assert plain.choices[0].logprobs is None
+
+
 def test_the_model_list_names_the_checkpoint_and_its_context(chat):
     (model,) = sdk(chat).models.list().data
     assert model.id == "llama-tied" and model.model_extra["context_length"] == 512

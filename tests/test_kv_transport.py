@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+
+from pdserve.core.picked import Pick, TokenLogprobs
 import torch
 
 from pdserve.core.block_pool import BlockPool
@@ -27,9 +29,9 @@ from pdserve.kv.grpc_transport import GrpcKvSink, serve_push_kv_only
 from pdserve.kv.inproc import InProcessKvSink
 from pdserve.kv.leases import LeaseLimits, LeaseState, LeaseTable
 from pdserve.kv.receiver import CommitRecord, KvReceiver, KvStream
-from pdserve.kv.wire import KvRejected
+from pdserve.kv.wire import KvRejected, prompt_digest
 from pdserve.kv.sink import KvTarget, KvTransferFailed
-from pdserve.kv.tcp_transport import DataPlaneServer, TcpKvSink
+from pdserve.kv.tcp_transport import DataPlaneLimits, DataPlaneServer, TcpKvSink
 from pdserve.v1 import pdserve_pb2 as pb
 
 CONFIG = ModelConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=100, max_context=512)
@@ -68,7 +70,7 @@ def decode():
 
     def on_commit(lease, first_token):
         lease.table.release()  # no engine here: a committed sequence ends at once
-        started.append((lease.lease_id, first_token))
+        started.append((lease.lease_id, first_token.token))
 
     receiver = KvReceiver(leases, cache.write, CONFIG, FINGERPRINT, on_commit, Faults())
     side = Decode(pool, cache, leases, receiver, started, [])
@@ -94,7 +96,7 @@ async def hand_over(sink, kv, first_token=7, timeout=10.0):
     for layer, k, v in kv:
         sink.on_layer_kv(layer, k, v)
     await asyncio.sleep(0)  # the layers land in the queue (call_soon_threadsafe) before the commit
-    sink.commit(first_token)
+    sink.commit(Pick(first_token))
     return await sink.send(timeout)
 
 
@@ -253,7 +255,7 @@ async def stream_items(lease_id="L"):
     layer, k, v = layers()[0]
     sink.on_layer_kv(layer, k, v)
     await asyncio.sleep(0)
-    sink.commit(3)
+    sink.commit(Pick(3))
     return [item async for item in sink.items()]
 
 
@@ -274,6 +276,30 @@ def test_frame_round_trip_reads_the_payload_in_place():
     assert frames.read_frame(frames.join_message(commit)).commit == commit
 
 
+def test_a_commit_carries_the_first_tokens_logprobs_and_decode_checks_them(decode):
+    """The first token's logprobs cross the wire with the commit, exactly; decode refuses ones
+    the request did not ask for, and ids outside the vocabulary."""
+    first = TokenLogprobs(-0.25, ((3, -0.25), (9, -1.5)))
+    record = CommitRecord("L", 3, 1, 0, "r1", 0, first)
+    assert frames.read_frame(frames.commit_bytes(record)).commit == record
+    asking = SamplingSpec(max_tokens=4, logprobs=True, top_logprobs=2)
+    outside = TokenLogprobs(-0.25, ((3, -0.25), (CONFIG.vocab_size, -1.5)))
+    for sampling, logprobs, why in [
+        (SamplingSpec(max_tokens=4), first, "do not match what the request asked for"),
+        (asking, None, "do not match what the request asked for"),
+        (asking, TokenLogprobs(-0.25, ((3, -0.25),)), "1 top logprobs, not 2"),
+        (asking, outside, "outside the vocabulary"),
+    ]:
+        spec = GenerateSpec("r1", PROMPT, sampling)
+        lease = decode.leases.grant(spec, LIMITS, sink=decode._sink)
+        stream = KvStream("inproc")
+        record = CommitRecord(lease.lease_id, 3, 0, 0, "r1", prompt_digest(PROMPT), logprobs)
+        with pytest.raises(KvRejected, match=why):
+            decode.receiver.commit(stream, record)
+        decode.receiver.refuse(stream, "refused")
+        assert lease.state is LeaseState.VOID
+
+
 def test_malformed_frames_never_raise():
     rng = random.Random(7)
     good = frames.join_message(one_chunk()[0])
@@ -292,7 +318,7 @@ def test_malformed_frames_never_raise():
 
 
 async def _data_plane(decode, idle=5.0):
-    server = DataPlaneServer(decode.receiver, idle_timeout=idle)
+    server = DataPlaneServer(decode.receiver, DataPlaneLimits(stream_seconds=idle))
     port = await server.start("127.0.0.1", 0)
     return server, port
 
@@ -478,7 +504,7 @@ def _big_transfer(make_sink, leases):
         try:
             sink.on_layer_kv(0, k, v)
             await asyncio.sleep(0)
-            sink.commit(1)
+            sink.commit(Pick(1))
             await sink.send(30)
         finally:
             await stop()
@@ -491,7 +517,7 @@ def test_copies_per_kv_byte_stay_at_their_measured_count():
     pool, leases, receiver = _big_decode()
 
     async def tcp_sink(big_target):
-        server = DataPlaneServer(receiver, idle_timeout=30)
+        server = DataPlaneServer(receiver, DataPlaneLimits(stream_seconds=30))
         port = await server.start("127.0.0.1", 0)
         sink = TcpKvSink(big_target, Faults(), "127.0.0.1", port)
         await sink.connect(5)

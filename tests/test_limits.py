@@ -1,8 +1,10 @@
 """Limits no single caller can exhaust: prefill's bounds on calls, queued tokens and pushes."""
 
+import contextlib
 import select
 import socket
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -29,7 +31,7 @@ def prefill_with(tmp_path):
         service.stop()
 
 
-def _request(tokens: int, port: int) -> pb.PrefillRequest:
+def _request(tokens: int, port: int, data_port: int | None = None) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         request_id="r",
         prompt_token_ids=[7] * tokens,
@@ -37,8 +39,36 @@ def _request(tokens: int, port: int) -> pb.PrefillRequest:
         lease_id="0" * 32,
         decode_address=f"127.0.0.1:{port}",
         model_fingerprint=MODEL,
-        data_endpoints=[pb.DataEndpoint(transport="tcp", port=port)],
+        data_endpoints=[pb.DataEndpoint(transport="tcp", port=data_port or port)],
     )
+
+
+@contextlib.contextmanager
+def _decode_offering(data_port: int):
+    """A stand-in for decode's control plane that offers `data_port` as its data plane, as
+    prefill asks before it dials one (DecodeService.GetDataEndpoints); yields its gRPC port."""
+    offered = pb.GetDataEndpointsResponse(
+        data_endpoints=[pb.DataEndpoint(transport="tcp", port=data_port)]
+    )
+    handler = grpc.unary_unary_rpc_method_handler(
+        lambda request, context: offered,
+        request_deserializer=pb.GetDataEndpointsRequest.FromString,
+        response_serializer=pb.GetDataEndpointsResponse.SerializeToString,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "pdserve.v1.DecodeService", {"GetDataEndpoints": handler}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(grace=None)
 
 
 def test_prompt_tokens_beyond_the_queue_bound_are_refused_by_name(prefill_with):
@@ -56,15 +86,15 @@ def test_a_push_to_a_decode_that_never_reads_ends_by_the_servers_own_bound(prefi
     call is refused at --max-concurrent-prefills."""
     prefill = prefill_with("--push-timeout-seconds", "3", "--max-concurrent-prefills", "1")
     listener = socket.create_server(("127.0.0.1", 0))  # never accept()ed, never read
-    port = listener.getsockname()[1]
+    data_port = listener.getsockname()[1]
     try:
-        with grpc.insecure_channel(prefill.address) as channel:
+        with _decode_offering(data_port) as port, grpc.insecure_channel(prefill.address) as channel:
             stub = pb_grpc.PrefillServiceStub(channel)
-            hanging = stub.Prefill.future(_request(3000, port))  # 36 MiB of KV, no deadline
+            hanging = stub.Prefill.future(_request(3000, port, data_port))  # 36 MiB, no deadline
             # In flight once it has connected to the "decode": a connection waits in the backlog.
             assert select.select([listener], [], [], 20)[0], "the push never connected"
             with pytest.raises(grpc.RpcError) as busy:
-                stub.Prefill(_request(10, port), timeout=10)
+                stub.Prefill(_request(10, port, data_port), timeout=10)
             assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-concurrent-prefills" in busy.value.details()
             started = time.monotonic()

@@ -1,8 +1,10 @@
 """The prefix cache: content-addressed blocks in the pool, prefix-aware routing, and outputs that
 stay token-identical whether a prompt's prefix came from the cache or was computed."""
 
+import hashlib
 from dataclasses import dataclass
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,9 +20,11 @@ from procs import (
 )
 from pdserve.core.block_pool import BlockPool, PoolExhausted
 from pdserve.core.prefix_cache import block_keys
+from pdserve.models.loading import load_served_model
 from pdserve.services.router.policy import DECODE_BALANCE_STREAMS, PrefixAware
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 BS = 4  # tokens per block in the unit tests
 
@@ -241,6 +245,35 @@ def test_a_shared_system_prompt_is_reused_and_outputs_are_token_identical(stacks
     assert all(r[2].metrics.prefix_cached_tokens == 0 for r in reference)
     wait_until(on.pools_settled, 10, "both decode pools whole (cached blocks count as free)")
     assert sum(on.pool_stats(i).cached_blocks for i in range(2)) >= 12
+
+
+def test_no_one_without_the_routers_secret_finds_a_clients_cached_prefixes(stacks):
+    """A direct Decode call with the salt that anyone could compute for a client known by its
+    address (blake2b of 127.0.0.1, what the router used) is told of no cached prefix, though
+    that client's prompt is cached there: the salt now needs the routers' secret."""
+    on, _ = stacks
+    prompt = SYSTEM + [5] * 20
+    generate(on.router_stub(), greedy_request(prompt, 2))
+    _, _, last = generate(on.router_stub(), greedy_request(prompt, 2))
+    assert last.metrics.prefix_cached_tokens >= 192  # cached, under the client's salt
+    guessed = hashlib.blake2b(b"127.0.0.1", digest_size=16, person=b"pdserve-addr").digest()
+    fingerprint = load_served_model("tinygpt", weights=False).fingerprint
+    for decode in on.decodes:
+        with grpc.insecure_channel(decode.address) as channel:
+            call = pb_grpc.DecodeServiceStub(channel).Decode(
+                pb.DecodeRequest(
+                    request_id="probe",
+                    prompt_token_ids=prompt,
+                    sampling=pb.SamplingParams(max_tokens=2),
+                    model_fingerprint=fingerprint,
+                    cache_salt=guessed,
+                ),
+                timeout=10,
+            )
+            lease = next(call).lease
+            call.cancel()
+        assert lease.cached_tokens == 0
+    wait_until(on.pools_settled, 10, "both decode pools whole after the probes")
 
 
 def test_hits_and_saved_bytes_are_counted(stacks):

@@ -17,6 +17,10 @@ SEEDS = 4000
 FREQUENCY_TOLERANCE = 0.03
 
 
+def tokens_of(logits, draws, ending=frozenset()) -> list[int]:
+    return [pick.token for pick in sample(logits, draws, ending)]
+
+
 def draw(spec: SamplingSpec, step: int = 0, tokens: tuple[int, ...] = ()) -> Draw:
     return Draw(spec, step, tokens)
 
@@ -24,21 +28,21 @@ def draw(spec: SamplingSpec, step: int = 0, tokens: tuple[int, ...] = ()) -> Dra
 def frequencies(logits: torch.Tensor, spec_of_seed, step=0, tokens=(), ending=frozenset()):
     counts = torch.zeros(logits.shape[-1])
     for seed in range(SEEDS):
-        counts[sample(logits, [draw(spec_of_seed(seed), step, tokens)], ending)[0]] += 1
+        counts[tokens_of(logits, [draw(spec_of_seed(seed), step, tokens)], ending)[0]] += 1
     return counts / SEEDS
 
 
 def test_sampling_is_a_function_of_seed_and_step():
     logits = torch.randn(3, CONFIG.vocab_size, generator=torch.Generator().manual_seed(0))
     s = SamplingSpec(temperature=1.0, top_p=0.9, top_k=40, seed=5)
-    batched = sample(logits, [draw(s, i) for i in range(3)])
+    batched = tokens_of(logits, [draw(s, i) for i in range(3)])
     # Each row alone, in another order: the same tokens (nothing depends on the batch).
-    alone = [sample(logits[i : i + 1], [draw(s, i)])[0] for i in (2, 0, 1)]
+    alone = [tokens_of(logits[i : i + 1], [draw(s, i)])[0] for i in (2, 0, 1)]
     assert alone == [batched[2], batched[0], batched[1]]
     assert uniform(5, 0) != uniform(5, 1) and uniform(5, 0) != uniform(6, 0)
-    greedy = sample(logits, [draw(SamplingSpec())] * 3)
+    greedy = tokens_of(logits, [draw(SamplingSpec())] * 3)
     assert greedy == logits.argmax(-1).tolist()
-    top1 = sample(
+    top1 = tokens_of(
         logits, [draw(SamplingSpec(temperature=1.0, top_k=1, seed=9), i) for i in range(3)]
     )
     assert top1 == greedy
@@ -131,7 +135,9 @@ def test_penalties_and_bias_follow_the_definition(shaping):
     )
     assert (seen - expected.float()).abs().max() < FREQUENCY_TOLERANCE
     # Greedy takes the shaped argmax, not the model's.
-    greedy = sample(torch.tensor([LOGITS]), [draw(SamplingSpec(**shaping), OUTPUT_TOKENS, TOKENS)])
+    greedy = tokens_of(
+        torch.tensor([LOGITS]), [draw(SamplingSpec(**shaping), OUTPUT_TOKENS, TOKENS)]
+    )
     assert greedy == [int(shaped_by_definition(base).argmax())]
 
 
@@ -143,8 +149,8 @@ def test_the_step_marks_where_the_output_begins():
     logits = torch.zeros(1, 64)
     logits[0, 7] = 1.0
     penalised = SamplingSpec(frequency_penalty=2.0)
-    assert sample(logits, [draw(penalised, 3, tokens)]) != [7]  # output twice: 1 - 2 * 2 < 0
-    assert sample(logits, [draw(penalised, 1, tokens)]) == [7]  # only 20 is output
+    assert tokens_of(logits, [draw(penalised, 3, tokens)]) != [7]  # output twice: 1 - 2 * 2 < 0
+    assert tokens_of(logits, [draw(penalised, 1, tokens)]) == [7]  # only 20 is output
 
 
 def test_min_tokens_holds_back_the_tokens_that_end_a_sequence():
@@ -153,11 +159,11 @@ def test_min_tokens_holds_back_the_tokens_that_end_a_sequence():
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.5]])  # 2 is EOS, 3 a stop token id
     eos = frozenset({2})
     spec = SamplingSpec(min_tokens=2, stop_token_ids=(3,))
-    assert sample(logits, [draw(spec, 0)], eos) == [1]
-    assert sample(logits, [draw(spec, 1)], eos) == [1]
-    assert sample(logits, [draw(spec, 2)], eos) == [2]
+    assert tokens_of(logits, [draw(spec, 0)], eos) == [1]
+    assert tokens_of(logits, [draw(spec, 1)], eos) == [1]
+    assert tokens_of(logits, [draw(spec, 2)], eos) == [2]
     ignoring = SamplingSpec(min_tokens=2, ignore_eos=True)
-    assert sample(logits, [draw(ignoring, 0)], eos) == [2]  # EOS ends nothing: not held back
+    assert tokens_of(logits, [draw(ignoring, 0)], eos) == [2]  # EOS ends nothing: not held back
     seen = frequencies(
         logits, lambda seed: SamplingSpec(temperature=1.0, seed=seed, min_tokens=5), 4, (), eos
     )

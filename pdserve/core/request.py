@@ -13,6 +13,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0  # OpenAI: "values from -100 to 100"
 MAX_PENALTY = 2.0  # OpenAI: frequency and presence penalties "between -2.0 and 2.0"
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat API: top_logprobs "between 0 and 20"
 
 
 class InvalidRequest(ValueError):
@@ -38,6 +39,8 @@ class SamplingSpec:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
+    logprobs: bool = False  # report each token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives'
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +138,10 @@ def _check_sampling(s: SamplingSpec) -> None:
         if not stop or len(stop) > MAX_STOP_LENGTH:
             raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
     _check_shaping(s)
+    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, 20], got {s.top_logprobs}")
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs")
 
 
 def _check_shaping(s: SamplingSpec) -> None:

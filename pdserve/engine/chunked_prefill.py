@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.picked import Pick
 from pdserve.engine.cancellations import Cancellations
 from pdserve.engine.decode_scheduler import DecodeScheduler, decodings
 from pdserve.engine.model_runner import ModelRunner, PromptPiece
@@ -176,7 +177,7 @@ class ChunkedPrefill:
             return
         firsts = self.runner.sample(logits, [first_draw(c.handle.spec) for c in completed])
         finished = time.perf_counter()
-        for chunk, token in zip(completed, firsts, strict=True):
+        for chunk, first in zip(completed, firsts, strict=True):
             h = chunk.handle
             began = h.first_chunk_at
             assert began is not None  # step() noted it before the prompt's first chunk ran
@@ -188,9 +189,9 @@ class ChunkedPrefill:
                 finished,
             )
             metrics.TOKENS.labels(self.service, "prompt").inc(h.spec.prompt_len)
-            self.prefilled(h, token, timing)
+            self.prefilled(h, first, timing)
 
-    def prefilled(self, handle: Handle, token: int, timing: PrefillTiming) -> None:
+    def prefilled(self, handle: Handle, first: Pick, timing: PrefillTiming) -> None:
         """Engine thread: the prompt's first token; the sequence starts decoding, unless it was
         cancelled."""
         handle.timing = timing
@@ -202,7 +203,7 @@ class ChunkedPrefill:
         def created(seq: Sequence) -> None:
             handle.sequence = seq  # before the first emission, which a service thread may read
 
-        self.decode.start(handle.spec, handle.table, handle.sink, token, created)
+        self.decode.start(handle.spec, handle.table, handle.sink, first, created)
 
     def failed(self, handle: Handle, message: str) -> None:
         self.chunks.drop(handle)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.picked import Pick
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.cancellations import Cancellations
 from pdserve.engine.model_runner import Decoding, ModelRunner
@@ -39,7 +40,7 @@ class DecodeScheduler:
         spec: GenerateSpec,
         table: BlockTable,
         sink: Sink,
-        first_token: int,
+        first: Pick,
         created: Callable[[Sequence], None] = lambda seq: None,
     ) -> Sequence:
         """A sequence whose prompt KV is in `table`, beginning with prefill's first token; it
@@ -48,7 +49,7 @@ class DecodeScheduler:
         emission can already find the sequence it came from."""
         seq = Sequence(spec, table, sink, self.tokenizer)
         created(seq)
-        seq.append(first_token)
+        seq.append(first)
         if seq.done:
             table.release()
         else:
@@ -90,10 +91,10 @@ class DecodeScheduler:
 
     def postprocess(self, batch: list[Sequence], logits) -> None:
         """Samples each sequence's token from its row of `logits`, then lets finished ones go."""
-        tokens = self.runner.sample(logits, [_draw(s) for s in batch])
-        for seq, token in zip(batch, tokens, strict=True):
+        picks = self.runner.sample(logits, [_draw(s) for s in batch])
+        for seq, pick in zip(batch, picks, strict=True):
             if not seq.aborted:
-                seq.append(token)
+                seq.append(pick)
         self._leave()
 
     def fail_all(self, message: str) -> None:

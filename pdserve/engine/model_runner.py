@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.picked import Pick
 from pdserve.engine.paged_cache import DecodeStepKv, PagedCache, PromptChunk
 from pdserve.engine.sampling import Draw, sample
 from pdserve.models.protocol import CausalLM, PagedKv
@@ -76,6 +77,6 @@ class ModelRunner:
         wanted = rows if pieces else None  # every decode's row, in order: no selection needed
         return self.model.decode_paged(tokens, positions, wrap(view) if wrap else view, wanted)
 
-    def sample(self, logits: torch.Tensor, draws: Sequence[Draw]) -> list[int]:
+    def sample(self, logits: torch.Tensor, draws: Sequence[Draw]) -> list[Pick]:
         """One token per row, each from its request's own counter-based random stream."""
         return sample(logits, draws, self.ending)

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.cancellations import Cancellations
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.picked import Pick
 from pdserve.engine.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.sampling import first_draw, sample
@@ -38,7 +39,7 @@ class PrefillJob:
     # Called with (layer, K, V) of this prompt's positions [send_from, prompt length), each
     # [tokens, heads, head_dim].
     on_layer_kv: Callable[[int, torch.Tensor, torch.Tensor], None]
-    on_done: Callable[[int, PrefillTiming], None]
+    on_done: Callable[[Pick, PrefillTiming], None]  # the first token
     on_error: Callable[[str], None]
     send_from: int = 0  # the KV of earlier positions is not wanted (decode holds it already)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -133,9 +134,9 @@ class PrefillScheduler:
             return None
         finished = time.perf_counter()
         tokens = sum(j.spec.prompt_len - j.cached_tokens for j in batch)
-        for job, token in zip(batch, first, strict=True):
+        for job, pick in zip(batch, first, strict=True):
             job.on_done(
-                token,
+                pick,
                 PrefillTiming(
                     start - job.enqueued_at,
                     finished - start,

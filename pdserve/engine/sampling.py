@@ -17,6 +17,9 @@ Per row, in this order (vLLM's, for the parts it shares):
 5. greedy takes the argmax; otherwise softmax(logits / T), cut to the longest prefix of the sorted
    tokens that every cut keeps (top-k; top-p, the smallest prefix whose mass reaches p; min-p,
    tokens whose probability is at least min_p times the largest), renormalised and sampled.
+
+Log-probabilities, when asked for, are log_softmax(logits / T) after steps 1-4 and before the cuts
+of step 5 (T = 1 for greedy): what vLLM calls "processed" log-probabilities.
 """
 
 from collections.abc import Sequence
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.core.picked import Pick, TokenLogprobs
 from pdserve.core.request import GenerateSpec, SamplingSpec
 
 _MASK64 = (1 << 64) - 1
@@ -60,23 +64,36 @@ def uniform(seed: int, step: int) -> float:
 
 def sample(
     logits: torch.Tensor, draws: Sequence[Draw], ending: frozenset[int] = frozenset()
-) -> list[int]:
+) -> list[Pick]:
     """One token per row of `logits` [batch, vocab]; row i follows draws[i]. `ending` holds the
     model's end-of-sequence ids, which min_tokens holds back."""
     greedy = logits.argmax(dim=-1).tolist()
     return [
-        greedy[i]
-        if d.spec.greedy and not d.spec.shapes_logits
-        else _sample_row(logits[i], d, ending)
+        Pick(greedy[i]) if _plain_greedy(d.spec) else _sample_row(logits[i], d, ending)
         for i, d in enumerate(draws)
     ]
 
 
-def _sample_row(logits: torch.Tensor, draw: Draw, ending: frozenset[int]) -> int:
+def _plain_greedy(spec: SamplingSpec) -> bool:
+    """The batch's argmax is this row's answer: nothing to shape, nothing to report."""
+    return spec.greedy and not spec.shapes_logits and not spec.logprobs
+
+
+def _sample_row(logits: torch.Tensor, draw: Draw, ending: frozenset[int]) -> Pick:
     shaped = shape_logits(logits.double(), draw, ending)
-    if draw.spec.greedy:
-        return int(shaped.argmax())
-    return _draw_from(shaped, draw.spec, draw.step)
+    spec = draw.spec
+    token = int(shaped.argmax()) if spec.greedy else _draw_from(shaped, spec, draw.step)
+    if not spec.logprobs:
+        return Pick(token)
+    return Pick(token, logprobs_of(shaped / (spec.temperature or 1.0), token, spec.top_logprobs))
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """`token`'s log-probability under softmax(logits) [vocab], and the `top` most likely."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    best = torch.sort(logprobs, descending=True, stable=True)  # ties: the lower id first
+    ranked = zip(best.indices[:top].tolist(), best.values[:top].tolist(), strict=True)
+    return TokenLogprobs(float(logprobs[token]), tuple(ranked))
 
 
 def shape_logits(logits: torch.Tensor, draw: Draw, ending: frozenset[int]) -> torch.Tensor:

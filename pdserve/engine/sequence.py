@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Callable
 
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.picked import Pick, TokenLogprobs
 from pdserve.engine.output_text import OutputText
 from pdserve.core.request import GenerateSpec
 from pdserve.models.tokenizer import Tokenizer
@@ -31,6 +32,7 @@ class Emission:
     text: str
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
 
 
 Sink = Callable[[Emission], None]
@@ -62,8 +64,9 @@ class Sequence:
         """Tokens whose KV is in the cache: all but the newest, which the next step writes."""
         return len(self.tokens) - 1
 
-    def append(self, token_id: int) -> None:
+    def append(self, pick: Pick) -> None:
         """Adds a sampled token, decides whether the sequence is finished, and emits both."""
+        token_id = pick.token
         self.tokens.append(token_id)
         self.generated += 1
         text = self._text.feed(token_id)
@@ -75,7 +78,8 @@ class Sequence:
             # these blocks any more (the engine thread, after its step; or the commit's thread,
             # for a sequence that ends at its first token, before it ever joins a step).
             self.table.release()
-        self.sink(Emission((token_id,), text, self.finish_reason))
+        logprobs = () if pick.logprobs is None else (pick.logprobs,)
+        self.sink(Emission((token_id,), text, self.finish_reason, logprobs=logprobs))
 
     def fail(self, message: str) -> None:
         self.aborted = True

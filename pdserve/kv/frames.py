@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pdserve.kv.receiver import CommitRecord, Committed, KvReceiver, KvStream
 from pdserve.kv.sink import OutChunk
 from pdserve.kv.wire import ChunkHeader, KvRejected
+from pdserve.rpc.convert import logprobs_from_pb, logprobs_to_pb
 from pdserve.v1 import pdserve_pb2 as pb
 
 DTYPE_TO_PB = {
@@ -80,6 +81,11 @@ def commit_bytes(record: CommitRecord) -> bytes:
             digest=record.digest,
             request_id=record.request_id,
             prompt_digest=record.prompt_digest,
+            first_token_logprob=(
+                None
+                if record.first_logprobs is None
+                else logprobs_to_pb(record.first_token_id, record.first_logprobs)
+            ),
         )
     ).SerializeToString()
 
@@ -126,11 +132,49 @@ def _read(view: memoryview) -> Frame:
         return Frame(chunk=_header(message.chunk), payload=payload or memoryview(b""))
     if message.HasField("commit"):
         c = message.commit
+        logprobs = c.first_token_logprob
         record = CommitRecord(
-            c.lease_id, c.first_token_id, c.num_chunks, c.digest, c.request_id, c.prompt_digest
+            c.lease_id,
+            c.first_token_id,
+            c.num_chunks,
+            c.digest,
+            c.request_id,
+            c.prompt_digest,
+            logprobs_from_pb(logprobs) if c.HasField("first_token_logprob") else None,
         )
         return Frame(commit=record)
     raise MalformedFrame("neither chunk nor commit")
+
+
+def named_lease(start: memoryview) -> str | None:
+    """The lease a chunk names, read from the `start` of its PushKvRequest alone: the fields
+    before its data field. None when no data field begins within `start`, or what precedes it
+    is no chunk header."""
+    pos = 0
+    try:
+        while pos < len(start):
+            field_start = pos
+            key, pos = _read_varint(start, pos)
+            if key == DATA_FIELD << 3 | 2:
+                message = pb.PushKvRequest.FromString(bytes(start[:field_start]))
+                return message.chunk.lease_id if message.HasField("chunk") else None
+            pos = _skip(start, pos, key)
+    except Exception:  # MalformedFrame, or protobuf's DecodeError (its module varies by backend)
+        return None
+    return None
+
+
+def _skip(view: memoryview, pos: int, key: int) -> int:
+    """The position after the value of a field with `key` whose value starts at `pos`."""
+    wire_type = key & 7
+    if wire_type == 0:
+        return _read_varint(view, pos)[1]
+    if wire_type == 2:
+        length, pos = _read_varint(view, pos)
+        return pos + length
+    if wire_type in (1, 5):
+        return pos + (8 if wire_type == 1 else 4)
+    raise MalformedFrame(f"wire type {wire_type}")
 
 
 def _header(c: pb.KvChunk) -> ChunkHeader:

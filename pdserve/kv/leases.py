@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+from pdserve.core.shown import shown
 from pdserve.core.block_pool import BlockPool, BlockTable, PoolExhausted
 from pdserve.core.config import ModelConfig
 from pdserve.kv.wire import KvAssembly, KvRejected
@@ -32,13 +33,6 @@ class LeaseLimits:
     ttl: float  # seconds from grant to commit
     first_chunk: float  # seconds from grant to the first chunk
     pending_share: float  # of the pool's blocks, that uncommitted leases may hold together
-
-
-def shown(text: str, limit: int = 48) -> str:
-    """A caller's string as logs and status details show it: escaped, and cut to `limit`."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 class LeaseState(Enum):
@@ -64,6 +58,7 @@ class Lease:
     first_chunk_at: float | None = None
     transport: str = ""  # what carried its KV, once committed
     committed_at: float | None = None
+    caller: str = ""  # who reserved it (pdserve/rpc/tls.py peer_identity), for the pending shares
 
     @property
     def handoff_seconds(self) -> float:
@@ -79,21 +74,15 @@ class LeaseTable:
         self.pool, self.config = pool, config
         self._leases: dict[str, Lease] = {}
 
-    def grant(self, spec: GenerateSpec, limits: LeaseLimits, sink: Sink) -> Lease:
+    def grant(self, spec: GenerateSpec, limits: LeaseLimits, sink: Sink, caller: str = "") -> Lease:
         """Reserves room for the whole request. Raises PoolExhausted when there is none, and
-        PendingLimit when leases without KV would hold more than their share of the pool: a
-        caller that reserves and never sends KV cannot take every block."""
+        PendingLimit when the caller's leases without KV would hold more than its share: a
+        caller that reserves and never sends KV cannot take every block, nor lock out the
+        others' reservations (see _over_share)."""
         wanted = self.pool.blocks_for(spec.max_total_tokens)
-        held = sum(lease.table.capacity_blocks for lease in self._pending())
-        share = int(limits.pending_share * self.pool.num_blocks)
-        # Alone, a reservation may exceed the share (or a large request could never run); one
-        # larger than the whole pool is left to reserve() to refuse for good.
-        if held and held + wanted > share and wanted <= self.pool.num_blocks:
-            raise PendingLimit(
-                f"KV pool full for new leases: leases waiting for their KV hold {held} of {self.pool.num_blocks} blocks; this "
-                f"one needs {wanted}, over the pending share of {limits.pending_share:g} "
-                f"(--max-pending-lease-share)"
-            )
+        refusal = self._over_share(caller, wanted, limits.pending_share)
+        if refusal:
+            raise PendingLimit(refusal)
         # With a prefix cache, the table starts with the prompt's longest cached prefix (its KV
         # is not sent again), and its blocks may stay cached once the KV is in.
         table = self.pool.reserve(
@@ -108,9 +97,42 @@ class LeaseTable:
             now + limits.ttl,
             now + min(limits.first_chunk, limits.ttl),
             KvAssembly(self.config, spec.prompt_len, table.cached_tokens),
+            caller=caller,
         )
         self._leases[lease.lease_id] = lease
         return lease
+
+    def _over_share(self, caller: str, wanted: int, pending_share: float) -> str:
+        """Why `caller` may not reserve `wanted` more blocks now, or "" when it may.
+
+        The pending cap (--max-pending-lease-share of the pool) is shared fairly between the
+        callers that hold uncommitted leases right now, counted separately by identity: each
+        may hold cap / n, n being those callers with this one. So one router alone may use the
+        whole cap, as before; and whatever others hold, a caller below its own share is let in
+        (the pool itself still decides), so callers that reserve and never send KV, or re-reserve
+        as soon as their leases expire, can never take the router's share. They are stopped at
+        theirs, and when a newcomer halves it they get no more until their own leases end. A
+        caller's first reservation is let in whatever its size (or a large request could never
+        run); one larger than the whole pool is left to reserve() to refuse for good. The
+        total is the cap in the steady state, and at most the pool.
+        """
+        if wanted > self.pool.num_blocks:
+            return ""
+        pending = self._pending()
+        held = sum(lease.table.capacity_blocks for lease in pending if lease.caller == caller)
+        if not held:
+            return ""
+        callers = len({lease.caller for lease in pending} | {caller})
+        cap = int(pending_share * self.pool.num_blocks)
+        share = cap // callers
+        if held + wanted <= share:
+            return ""
+        return (
+            f"KV pool full for new leases from this caller: its leases waiting for their KV "
+            f"hold {held} of {self.pool.num_blocks} blocks; this one needs {wanted}, over its "
+            f"share of {share} blocks (the pending share of {pending_share:g}, "
+            f"--max-pending-lease-share, split between {callers} callers)"
+        )
 
     def for_push(self, lease_id: str) -> Lease:
         """The lease a KV chunk or commit names, if it may still receive KV."""

@@ -9,6 +9,7 @@ Used from the event loop thread only, like the lease table.
 """
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 
 from pdserve import metrics
 from pdserve.core.config import ModelConfig
+from pdserve.core.picked import Pick, TokenLogprobs
 from pdserve.faults import Faults
 from pdserve.kv.leases import Lease, LeaseRejected, LeaseState, LeaseTable
 from pdserve.kv.wire import ChunkHeader, KvRejected, decode_chunk, prompt_digest
@@ -37,6 +39,11 @@ class CommitRecord:
     digest: int
     request_id: str
     prompt_digest: int
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for them
+
+    @property
+    def first(self) -> Pick:
+        return Pick(self.first_token_id, self.first_logprobs)
 
     @property
     def key(self) -> tuple[int, int, int, str, int]:
@@ -75,7 +82,7 @@ class KvReceiver:
         write: KvWriter,
         config: ModelConfig,
         model_fingerprint: str,
-        on_commit: Callable[[Lease, int], None],
+        on_commit: Callable[[Lease, Pick], None],
         faults: Faults,
     ) -> None:
         self.leases, self._write, self.config = leases, write, config
@@ -119,6 +126,7 @@ class KvReceiver:
             lease.spec.prompt_token_ids
         ):
             raise LeaseRejected(f"lease {lease.lease_id!r} belongs to another request or prompt")
+        self._check_logprobs(record.first_logprobs, lease)
         lease.assembly.check_commit(record.num_chunks, record.digest)
         if not 0 <= record.first_token_id < self.config.vocab_size:
             raise KvRejected(f"first token {record.first_token_id} outside the vocabulary")
@@ -127,8 +135,25 @@ class KvReceiver:
         lease.transport = stream.transport
         metrics.record_handoff("decode", lease.handoff_seconds, lease.assembly.bytes)
         metrics.KV_TRANSFERS.labels("decode", stream.transport).inc()
-        self._on_commit(lease, record.first_token_id)
+        self._on_commit(lease, record.first)
         return Committed(lease.lease_id, lease.assembly.bytes, newly_committed=True)
+
+    def _check_logprobs(self, logprobs: TokenLogprobs | None, lease: Lease) -> None:
+        """The first token's log-probabilities come from prefill and go to the client as they
+        are: only what the request asked for, token ids of this vocabulary, and no NaN."""
+        sampling = lease.spec.sampling
+        if (logprobs is not None) != sampling.logprobs:
+            raise KvRejected("the commit's logprobs do not match what the request asked for")
+        if logprobs is None:
+            return
+        if len(logprobs.top) != sampling.top_logprobs:
+            raise KvRejected(
+                f"the commit has {len(logprobs.top)} top logprobs, not {sampling.top_logprobs}"
+            )
+        if not all(0 <= t < self.config.vocab_size for t, _ in logprobs.top):
+            raise KvRejected("a top logprob's token is outside the vocabulary")
+        if any(math.isnan(v) or v > 0 for v in (logprobs.logprob, *(v for _, v in logprobs.top))):
+            raise KvRejected("a logprob is NaN or positive")
 
     def refuse(self, stream: KvStream, reason: str) -> None:
         """The stream broke, or was refused, before its commit: its lease is void."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.core.config import ModelConfig
+from pdserve.core.picked import Pick
 from pdserve.faults import Faults
 from pdserve.kv.receiver import CommitRecord, Committed
 from pdserve.kv.wire import ChunkHeader, LayerPiece, digest, split_layer, split_layer_int8
@@ -79,9 +80,9 @@ class KvSink:
         positions from skip_tokens to the prompt's end."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (layer, k, v))
 
-    def commit(self, first_token: int) -> None:
+    def commit(self, first: Pick) -> None:
         """From the event loop, after every layer: the stream ends with the commit."""
-        self._queue.put_nowait(first_token)
+        self._queue.put_nowait(first)
 
     def abort(self) -> None:
         """Ends the stream without a commit: decode voids the lease."""
@@ -102,7 +103,7 @@ class KvSink:
             item = await self._queue.get()
             if item is None:
                 return
-            if isinstance(item, int):
+            if isinstance(item, Pick):
                 yield self._commit_record(item)
                 return
             skip = self.target.skip_tokens  # the layer's KV starts at this position
@@ -136,14 +137,15 @@ class KvSink:
         self.wire_bytes += piece.nbytes
         return OutChunk(header, piece.parts)
 
-    def _commit_record(self, first_token: int) -> CommitRecord:
+    def _commit_record(self, first: Pick) -> CommitRecord:
         return CommitRecord(
             lease_id=self.target.lease_id,
-            first_token_id=first_token,
+            first_token_id=first.token,
             num_chunks=len(self._crcs),
             digest=digest(self._crcs),
             request_id=self.target.request_id,
             prompt_digest=prompt_digest(self.target.prompt_token_ids),
+            first_logprobs=first.logprobs,
         )
 
 

@@ -5,8 +5,15 @@ connects there for that one lease's KV. The stream carries the same PushKvReques
 DecodeService.PushKv, each preceded by its length (4 bytes, little-endian), and so the same
 lease binding, chunk CRCs and commit digest. Decode answers with one DataPlaneReply frame (the
 commit's answer, or the status and reason of a refusal) and closes the connection. A connection
-that sends something unreadable, names an unknown lease or goes quiet is closed; nothing it sent
+that sends something unreadable, names an unknown lease or is too slow is closed; nothing it sent
 stays in the pool.
+
+Anyone who can reach the port can connect, so what one peer can hold is bounded
+(DataPlaneLimits): connections in total and per peer address; each connection's whole life (a
+lease's TTL) and each frame's, from its first byte to its last, rather than an idle timer that a
+byte now and then would keep re-arming; and memory. A frame's buffer is allocated in full only
+once its first HEADER_BYTES have named a live lease, so a 4-byte length alone allocates nothing
+large.
 
 Copies of a KV byte: the kernel copies it into decode's frame buffer (recv_into), and decode
 writes it from there into the pool. The sender writes the layer's own memory (sendmsg over the
@@ -18,11 +25,15 @@ import logging
 import socket
 import ssl
 import struct
+from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 
 from pdserve.faults import Faults
 from pdserve.kv import frames
+from pdserve.core.shown import shown
+from pdserve.kv.leases import LeaseRejected, LeaseState
 from pdserve.kv.receiver import Committed, KvReceiver, KvStream, status_name
 from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
 from pdserve.kv.wire import KvRejected
@@ -34,6 +45,9 @@ LENGTH = struct.Struct("<I")
 # A frame is one chunk (1 MiB by default) plus its header. Larger is refused before any buffer
 # is allocated for it, so a hostile length cannot make decode allocate gigabytes.
 MAX_FRAME_BYTES = 64 << 20
+# A larger frame is read this far first: a chunk's header (the fields before its payload, a few
+# hundred bytes) must name a live lease in it before the rest of the frame gets a buffer.
+HEADER_BYTES = 4096
 # Room for a few chunks in flight in each direction's kernel buffer, so neither side waits on the
 # other while it checksums or writes a chunk.
 SOCKET_BUFFER_BYTES = 8 << 20
@@ -41,11 +55,50 @@ SOCKET_BUFFER_BYTES = 8 << 20
 REPLY_GRACE_SECONDS = 1.0
 
 
+@dataclass(frozen=True)
+class DataPlaneLimits:
+    """What one data-plane connection, and one peer, may hold (DecodeSettings)."""
+
+    stream_seconds: float = 30.0  # a connection's whole life: --lease-ttl-seconds
+    # A frame's bytes must all arrive within this long of its first: 4 MiB at 3.5 Mbit/s.
+    frame_seconds: float = 10.0
+    max_connections: int = 256  # --max-kv-connections
+    max_per_peer: int = 64  # --max-kv-connections-per-peer
+
+
+class _Peers:
+    """Open connections, in total and by peer address. Touched on the event loop only."""
+
+    def __init__(self, limits: DataPlaneLimits) -> None:
+        self._limits, self._by_peer, self._total = limits, Counter[str](), 0
+
+    def admit(self, peer: str) -> str:
+        """Counts one more connection from `peer`; or, beyond a cap, says why not."""
+        limits = self._limits
+        if self._total >= limits.max_connections:
+            return f"{self._total} data-plane connections open (--max-kv-connections)"
+        if self._by_peer[peer] >= limits.max_per_peer:
+            return (
+                f"{self._by_peer[peer]} data-plane connections open from this peer "
+                "(--max-kv-connections-per-peer)"
+            )
+        self._total += 1
+        self._by_peer[peer] += 1
+        return ""
+
+    def release(self, peer: str) -> None:
+        self._total -= 1
+        self._by_peer[peer] -= 1
+        if not self._by_peer[peer]:
+            del self._by_peer[peer]
+
+
 class DataPlaneServer:
     """Decode's listener. Each connection is one KV stream, handled on the event loop."""
 
-    def __init__(self, receiver: KvReceiver, idle_timeout: float) -> None:
-        self._receiver, self._idle_timeout = receiver, idle_timeout
+    def __init__(self, receiver: KvReceiver, limits: DataPlaneLimits) -> None:
+        self._receiver, self._limits = receiver, limits
+        self._peers = _Peers(limits)
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -55,7 +108,7 @@ class DataPlaneServer:
         loop = asyncio.get_running_loop()
         tls = ssl_context is not None
         self._server = await loop.create_server(
-            lambda: _Connection(self._receiver, self._idle_timeout, tls),
+            lambda: _Connection(self._receiver, self._limits, self._peers, tls),
             host,
             port,
             ssl=ssl_context,
@@ -72,19 +125,31 @@ class DataPlaneServer:
 class _Connection(asyncio.BufferedProtocol):
     """Reads length-prefixed frames straight into a buffer it reuses (no copy of its own)."""
 
-    def __init__(self, receiver: KvReceiver, idle_timeout: float, tls: bool) -> None:
-        self._receiver, self._idle_timeout, self._tls = receiver, idle_timeout, tls
+    def __init__(
+        self, receiver: KvReceiver, limits: DataPlaneLimits, peers: _Peers, tls: bool
+    ) -> None:
+        self._receiver, self._limits, self._peers, self._tls = receiver, limits, peers, tls
         self._stream = KvStream("tcp")
         self._buffer = bytearray(LENGTH.size)
         self._need, self._filled, self._in_length = LENGTH.size, 0, True
+        self._length = 0  # of the frame being read
+        self._refusal: KvRejected | None = None  # of the frame being read, once it is in
         self._transport: asyncio.Transport | None = None
         self._finished = False
-        self._idle: asyncio.TimerHandle | None = None
+        self._peer: str | None = None  # counted in _peers while set
+        self._timers: dict[str, asyncio.TimerHandle] = {}
 
     def connection_made(self, transport) -> None:
         self._transport = transport
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._rearm_idle()
+        peer = str((transport.get_extra_info("peername") or ("?",))[0])
+        refusal = self._peers.admit(peer)
+        if refusal:
+            self._refuse("RESOURCE_EXHAUSTED", f"decode is full: {refusal}")
+            return
+        self._peer = peer
+        seconds = self._limits.stream_seconds
+        self._arm("stream", seconds, f"the KV stream took longer than {seconds:g} s")
         if self._tls:
             role = role_of_peercert(transport.get_extra_info("peercert"))
             if role != "prefill":
@@ -94,11 +159,15 @@ class _Connection(asyncio.BufferedProtocol):
                 )
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._refusal is not None:  # the rest of a refused frame, read over and over again
+            return memoryview(self._buffer)[: min(len(self._buffer), self._need - self._filled)]
         return memoryview(self._buffer)[self._filled : self._need]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._in_length and self._filled == 0 and not self._finished:
+            seconds = self._limits.frame_seconds
+            self._arm("frame", seconds, f"a frame took longer than {seconds:g} s to arrive")
         self._filled += nbytes
-        self._rearm_idle()
         if self._filled < self._need or self._finished:
             return
         try:
@@ -111,15 +180,42 @@ class _Connection(asyncio.BufferedProtocol):
             (length,) = LENGTH.unpack_from(self._buffer)
             if not 0 < length <= MAX_FRAME_BYTES:
                 raise KvRejected(f"frame of {length} bytes; the limit is {MAX_FRAME_BYTES}")
-            if len(self._buffer) < length:  # grown by replacing: views of the old one may live
-                self._buffer = bytearray(length)
-            self._need, self._filled, self._in_length = length, 0, False
+            self._length, self._in_length = length, False
+            self._need, self._filled = min(length, HEADER_BYTES), 0
+            if len(self._buffer) < self._need:
+                self._buffer = bytearray(self._need)
             return
+        if self._refusal is not None:
+            raise self._refusal
+        if self._need < self._length:  # the header is in: the whole frame, if its lease lives
+            try:
+                self._check_named_lease()
+            except KvRejected as exc:
+                # Answered once the frame is in, without keeping it: a peer still sending when
+                # the connection closes would get a reset, not the answer.
+                self._refusal, self._need = exc, self._length
+                return
+            grown = bytearray(self._length)  # replaced, not resized: views of the old may live
+            grown[: self._filled] = memoryview(self._buffer)[: self._filled]
+            self._buffer, self._need = grown, self._length
+            return
+        self._disarm("frame")
         frame = frames.read_frame(memoryview(self._buffer)[: self._need])
         committed = frames.deliver(self._receiver, self._stream, frame)
         self._need, self._filled, self._in_length = LENGTH.size, 0, True
         if committed is not None:
             self._reply(pb.DataPlaneReply(committed=_to_pb(committed)))
+
+    def _check_named_lease(self) -> None:
+        """Raises KvRejected unless the frame's start names a lease this stream may fill."""
+        lease_id = frames.named_lease(memoryview(self._buffer)[: self._filled])
+        if lease_id is None:
+            raise KvRejected(
+                f"a frame of {self._length} bytes names no lease in its first {HEADER_BYTES}"
+            )
+        lease = self._receiver.leases.for_push(lease_id)  # LeaseRejected: unknown, expired...
+        if lease is not self._stream.lease and lease.state is not LeaseState.GRANTED:
+            raise LeaseRejected(f"lease {shown(lease_id)} is already receiving on another stream")
 
     def _refuse(self, code: str, reason: str) -> None:
         log.warning("data plane: refused a KV stream: %s", reason)
@@ -128,27 +224,35 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _reply(self, reply: pb.DataPlaneReply) -> None:
         self._finished = True
+        self._disarm("stream", "frame")
         payload = reply.SerializeToString()
         assert self._transport is not None
         self._transport.write(LENGTH.pack(len(payload)) + payload)
         self._transport.close()
 
-    def _rearm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
+    def _arm(self, name: str, seconds: float, why: str) -> None:
+        self._disarm(name)
         loop = asyncio.get_running_loop()
-        self._idle = loop.call_later(self._idle_timeout, self._went_quiet)
+        self._timers[name] = loop.call_later(seconds, self._too_slow, why)
 
-    def _went_quiet(self) -> None:
+    def _disarm(self, *names: str) -> None:
+        for name in names:
+            timer = self._timers.pop(name, None)
+            if timer is not None:
+                timer.cancel()
+
+    def _too_slow(self, why: str) -> None:
         if not self._finished:
-            self._refuse("DEADLINE_EXCEEDED", f"no bytes for {self._idle_timeout:.0f} s")
+            self._refuse("DEADLINE_EXCEEDED", why)
 
     def eof_received(self) -> bool:
         return False  # close: a stream that ends early is broken
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
+        self._disarm("stream", "frame")
+        if self._peer is not None:
+            self._peers.release(self._peer)
+            self._peer = None
         if not self._finished:
             self._finished = True
             self._receiver.refuse(self._stream, "KV stream broke before its commit")

@@ -8,6 +8,7 @@ import asyncio
 import datetime as dt
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,14 @@ DESCRIPTION = """\
 Load-test any pdserve.v1.Router endpoint (the disaggregated stack's router or the colocated
 engine): send a seeded workload at its arrival times, then print requests ok and failed by
 status, input and output tokens/s, TTFT, TPOT, inter-token and end-to-end latency at
-p50/p90/p99, goodput under the TTFT and TPOT objectives, and the server-reported handoff bytes
-and latency per request.
+p50/p90/p99 (or --percentiles), goodput and SLO attainment under the TTFT, TPOT and E2EL
+objectives, the server-reported handoff bytes and latency per request, and each role's prefix
+hit rate and throughput (per core with --prefill-cores/--decode-cores).
+
+--json writes, per rate, pdserve's figures and beside them the keys of vLLM's `vllm bench serve
+--save-result` JSON with the same meaning and units (completed, request_goodput,
+output_throughput, mean_ttft_ms, p99_itl_ms, ...; latencies in ms), vLLM's per-request lists
+(input_lens, ttfts, itls, ...) and one record per request.
 
 Arrivals: poisson, or gamma with --burstiness B (gamma shape B, same mean rate; B < 1 is burstier
 than Poisson, B = 1 is Poisson). --rate takes one rate, a comma list or START:STOP:STEP for a
@@ -36,6 +43,10 @@ presets:
 examples:
   pdserve bench --preset chapter --address 127.0.0.1:50051 --json out.json --plot out.png
   pdserve bench --rate 2,4,8,16 --num-requests 50 --slo-ttft 200ms --slo-tpot 50ms --plot sweep.png
+  pdserve bench --rate 8 --goodput ttft:500 tpot:100 --percentiles 50,90,99,99.9 --json out.json
+  pdserve up --metrics-base-port 9100 &
+  pdserve bench --metrics-url http://127.0.0.1:9101/metrics http://127.0.0.1:9102/metrics \\
+      --prefill-cores 1 --decode-cores 1 --json out.json
   pdserve bench --arrival gamma --burstiness 0.25 --rate 8 --duration 30 --concurrency 32
   pdserve bench --dataset prompts.jsonl --rate inf --num-requests 20 --concurrency 4
   pdserve bench --from-json disagg.json colocated.json --plot compare.png"""
@@ -121,6 +132,49 @@ def _nonneg_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: need an integer >= 0")
     return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: need a number > 0")
+    return value
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    from pdserve.loadtest.stats import parse_percentiles
+
+    try:
+        return parse_percentiles(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """vLLM's --goodput syntax: ["ttft:500", "tpot:100"] -> {"ttft": 0.5, "tpot": 0.1} (the
+    values in milliseconds, returned in seconds). A pair may also hold several, comma-separated."""
+    out: dict[str, float] = {}
+    for pair in (p for text in pairs for p in text.replace(",", " ").split()):
+        name, sep, value = pair.partition(":")
+        name = name.strip().lower()
+        if not sep or name not in GOODPUT_KEYS:
+            raise ValueError(
+                f"--goodput {pair!r}: give KEY:VALUE pairs, KEY one of {', '.join(GOODPUT_KEYS)} "
+                "and VALUE in milliseconds (e.g. ttft:500 tpot:100)"
+            )
+        ms = float(value)
+        if not (ms >= 0 and math.isfinite(ms)):
+            raise ValueError(f"--goodput {pair!r}: the objective must be >= 0 ms")
+        out[name] = ms / 1e3
+    return out
+
+
+def _wrap(text: str) -> str:
+    """A group's description, filled by hand (the raw formatter keeps its line breaks)."""
+    return textwrap.fill(text, 76)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -259,7 +313,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds between the rates of a sweep (default %(default)s)",
     )
 
-    o = p.add_argument_group("objectives (goodput counts requests meeting both)")
+    o = p.add_argument_group(
+        "objectives",
+        _wrap(
+            "goodput (JSON goodput and vLLM's request_goodput) counts the requests per second that "
+            "succeeded and met every objective. SLO attainment per request (slo_attainment) is the "
+            "fraction of all requests that did (a failed request misses); per token "
+            "(slo_attainment_per_token), the fraction of output tokens on time: a request's first "
+            "if its TTFT met the TTFT objective, each later one if its gap from the one before (its "
+            "ITL) met the TPOT objective; a failed request's max_tokens all count as late. "
+            "output_token_goodput is the output tokens/s of the requests that met every objective"
+        ),
+    )
     o.add_argument(
         "--slo-ttft",
         metavar="TIME",
@@ -272,14 +337,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=seconds,
         help=f"TPOT objective, e.g. 0.05 or 50ms (default {DEFAULTS['slo_tpot'] * 1e3:g}ms)",
     )
+    o.add_argument(
+        "--slo-e2el",
+        metavar="TIME",
+        type=seconds,
+        help="end-to-end latency objective, e.g. 2s (default: none)",
+    )
+    o.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="the objectives in vLLM's syntax instead: KEY:VALUE pairs, KEY one of ttft, tpot, "
+        "e2el and VALUE in milliseconds, e.g. --goodput ttft:500 tpot:100. Only the keys given "
+        "apply (as in vLLM: the default TTFT and TPOT objectives are dropped); not with "
+        "--slo-ttft/--slo-tpot/--slo-e2el",
+    )
 
     out = p.add_argument_group("output")
+    out.add_argument(
+        "--percentiles",
+        "--metric-percentiles",
+        dest="percentiles",
+        metavar="P[,P...]",
+        type=_percentiles,
+        default=(50.0, 90.0, 99.0),
+        help="the percentiles reported, e.g. 50,90,99,99.9: the text's columns and, in the "
+        "JSON, vLLM's p{P}_{ttft,tpot,itl,e2el}_ms keys and p{P} in pdserve's distributions "
+        "(which always keep p50, p90 and p99). --metric-percentiles is vLLM's name for it "
+        "(default 50,90,99; vLLM's own default is 99)",
+    )
+    out.add_argument(
+        "--prefill-cores",
+        metavar="N",
+        type=_positive_float,
+        help="cores allotted to the prefill instances together (e.g. pdserve up --prefill-cpus, "
+        "or the pods' CPU): the JSON's roles.prefill.tokens_per_second_per_core is the prompt "
+        "tokens prefill computed per second divided by this (the client cannot see the cores)",
+    )
+    out.add_argument(
+        "--decode-cores",
+        metavar="N",
+        type=_positive_float,
+        help="cores allotted to the decode instances together: roles.decode."
+        "tokens_per_second_per_core is the output tokens per second divided by this",
+    )
+    out.add_argument(
+        "--metrics-url",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="the services' Prometheus endpoints (e.g. pdserve up --metrics-base-port B: "
+        "router B, prefill B+1, decode B+2, at http://127.0.0.1:PORT/metrics), read before and "
+        "after each rate: each role's CPU seconds (busy cores, tokens per CPU second) and its "
+        "own prefix-cache counters go into roles.<role>.server_metrics. They count all traffic, "
+        "not only the bench's",
+    )
     out.add_argument(
         "--json",
         metavar="PATH",
         help="write every request and the summary with "
         "the run's conditions (the model as the target reports it, parameters, "
-        "CPU, torch, workload, seed, rates, date) here",
+        "CPU, torch, workload, seed, rates, date) here; each rate's summary also holds "
+        "vLLM's result keys (see above), and the run vLLM's per-request lists",
     )
     out.add_argument(
         "--plot",
@@ -320,6 +439,12 @@ def resolve(args: argparse.Namespace) -> dict:
         out[key] = value if value is not None else preset.get(key, default)
     if args.duration is not None and args.num_requests is None:
         out["num_requests"] = None  # a duration alone
+    out["slo_e2el"] = args.slo_e2el
+    if args.goodput:
+        if args.slo_ttft is not None or args.slo_tpot is not None or args.slo_e2el is not None:
+            raise ValueError("give the objectives with --goodput or with --slo-*, not both")
+        slos = parse_goodput(args.goodput)
+        out.update({f"slo_{key}": slos.get(key) for key in GOODPUT_KEYS})
     return out
 
 
@@ -350,6 +475,7 @@ def build(args: argparse.Namespace):
         v["warmup"],
         args.endpoint,
         args.http_url,
+        tuple(args.metrics_url),
     )
     if (
         options.num_requests is None
@@ -396,16 +522,21 @@ def run_bench(args: argparse.Namespace) -> int:
         preset=args.preset,
         slo_ttft=v["slo_ttft"],
         slo_tpot=v["slo_tpot"],
+        slo_e2el=v["slo_e2el"],
         started=started,
+        percentiles=args.percentiles,
+        prefill_cores=args.prefill_cores,
+        decode_cores=args.decode_cores,
     )
+    slos = (v["slo_ttft"], v["slo_tpot"], v["slo_e2el"])
     done = []
 
     def on_run(run) -> None:
         done.append(run)
-        doc = report.document(conds, [run], v["slo_ttft"], v["slo_tpot"])
+        doc = report.document(conds, [run], *slos)
         print(report.summary_text(conds, doc["runs"][0]), flush=True)
         if args.json:  # rewritten after each rate, so a cut-short sweep keeps what it measured
-            report.write_json(report.document(conds, done, v["slo_ttft"], v["slo_tpot"]), args.json)
+            report.write_json(report.document(conds, done, *slos), args.json)
 
     print(
         f"pdserve bench: {spec.describe()}"
@@ -430,7 +561,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ConnectionError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 1
-    doc = report.document(conds, done, v["slo_ttft"], v["slo_tpot"])
+    doc = report.document(conds, done, *slos)
     if len(done) > 1:
         print(report.sweep_table(conds, doc["runs"]))
     print(report.conditions_line(conds))

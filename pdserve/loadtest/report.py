@@ -6,8 +6,12 @@ The JSON document (schema "pdserve.loadtest/1"):
               fingerprint, shapes, KV bytes per token) and its parameter count where the client
               can count it, CPU, torch/Python/gRPC versions, target, workload, seed, rates,
               objectives, date, command line
-  runs        one per rate: {"rate", "started_at", "summary" (see stats.summarize),
-              "requests" (one record per request, see stats.RequestResult), "notes"}
+  runs        one per rate: {"rate", "started_at", "summary" (see stats.summarize: pdserve's
+              own keys, vLLM's result keys beside them, "roles"), "requests" (one record per
+              request, see stats.RequestResult, with "meets_slo"), vLLM's per-request lists
+              (stats.vllm_lists: "input_lens", "output_lens", "ttfts", "itls", "latencies",
+              "start_times", "queue_times", "errors"), "server_metrics" (what --metrics-url
+              read, or null), "notes"}
 """
 
 import datetime as dt
@@ -20,7 +24,8 @@ import sys
 from pathlib import Path
 
 from pdserve.loadtest.runner import RunOptions, RunResult
-from pdserve.loadtest.stats import summarize
+from pdserve.loadtest.stats import DEFAULT_PERCENTILES, meets_slo, percentile_word, summarize
+from pdserve.loadtest.stats import vllm_lists
 from pdserve.loadtest.workload import WorkloadSpec, format_rate
 from pdserve.core.config import ModelConfig
 
@@ -162,6 +167,10 @@ def conditions(
     slo_tpot: float | None = None,
     started: dt.datetime | None = None,
     argv: list[str] | None = None,
+    slo_e2el: float | None = None,
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
+    prefill_cores: float | None = None,
+    decode_cores: float | None = None,
 ) -> dict:
     """`model_info` is the target's GetModelInfo answer (runner.fetch_model_info); without it,
     `model_unavailable` says why, and the model is recorded as unknown."""
@@ -179,6 +188,13 @@ def conditions(
             "os": platform.platform(),
         },
         "target": {"address": options.address, "label": label},
+        # How the target was measured: its front, the /metrics read, the cores it was given.
+        "measured": {
+            "endpoint": options.endpoint,
+            "metrics_urls": list(options.metrics_urls),
+            "prefill_cores": prefill_cores,
+            "decode_cores": decode_cores,
+        },
         "workload": {
             **spec.to_dict(),
             "preset": preset,
@@ -192,7 +208,8 @@ def conditions(
         },
         "seed": spec.seed,
         "rates": [None if math.isinf(r) else r for r in rates],
-        "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot},
+        "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot, "e2el_seconds": slo_e2el},
+        "percentiles": list(percentiles),
         "date": started.isoformat(timespec="seconds"),
         "command": _command(argv if argv is not None else sys.argv),
     }
@@ -207,27 +224,48 @@ def _command(argv: list[str]) -> str:
 
 
 def document(
-    conds: dict, runs: list[RunResult], slo_ttft: float | None, slo_tpot: float | None
+    conds: dict,
+    runs: list[RunResult],
+    slo_ttft: float | None,
+    slo_tpot: float | None,
+    slo_e2el: float | None = None,
+    percentiles: tuple[float, ...] | None = None,
 ) -> dict:
-    return finite(
-        {
-            "schema": SCHEMA,
-            "conditions": conds,
-            "runs": [
-                {
-                    "rate": None if math.isinf(run.spec.rate) else run.spec.rate,
-                    "started_at": dt.datetime.fromtimestamp(
-                        run.started_at_unix, dt.timezone.utc
-                    ).isoformat(timespec="milliseconds"),
-                    "summary": summarize(run.results, run.duration, slo_ttft, slo_tpot),
-                    "requests": [r.to_dict() for r in run.results],
-                    "load_average_1m": {"before": run.load_before, "after": run.load_after},
-                    "notes": run.notes,
-                }
-                for run in runs
-            ],
+    """The JSON document; the percentiles (unless given) and the cores per role come from
+    `conds`."""
+    pq = tuple(percentiles or conds.get("percentiles") or DEFAULT_PERCENTILES)
+    measured = conds.get("measured", {})
+
+    def one(run: RunResult) -> dict:
+        summary = summarize(
+            run.results,
+            run.duration,
+            slo_ttft,
+            slo_tpot,
+            slo_e2el,
+            pq,
+            measured.get("prefill_cores"),
+            measured.get("decode_cores"),
+            run.scraped,
+        )
+        requests = [
+            {**r.to_dict(), "meets_slo": meets_slo(r, slo_ttft, slo_tpot, slo_e2el)}
+            for r in run.results
+        ]
+        return {
+            "rate": None if math.isinf(run.spec.rate) else run.spec.rate,
+            "started_at": dt.datetime.fromtimestamp(run.started_at_unix, dt.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "summary": summary,
+            "requests": requests,
+            **vllm_lists(run.results),
+            "server_metrics": run.scraped,
+            "load_average_1m": {"before": run.load_before, "after": run.load_after},
+            "notes": run.notes,
         }
-    )
+
+    return finite({"schema": SCHEMA, "conditions": conds, "runs": [one(run) for run in runs]})
 
 
 def write_json(doc: dict, path: str | Path) -> None:
@@ -312,24 +350,28 @@ def summary_text(conds: dict, run: dict) -> str:
         f"output {_num(s['output_tokens_per_second'], 1)} "
         f"({s['input_tokens']} in, {s['output_tokens']} out)"
     )
-    lines.append("  latency (ms)      mean      p50      p90      p99")
+    columns = ["mean"] + [f"p{percentile_word(q)}" for q in s.get("percentiles", (50, 90, 99))]
+    lines.append("  latency (ms)  " + "".join(f"{c:>9}" for c in columns))
     for key, name in METRICS + (
         ("server_ttft_seconds", "TTFT@srv"),
         ("client_delay_seconds", "send lag"),
     ):
         d = s[key]
-        lines.append(
-            f"    {name:<10}" + "".join(f"{_ms(d[k]):>9}" for k in ("mean", "p50", "p90", "p99"))
-        )
+        lines.append(f"    {name:<10}" + "".join(f"{_ms(d.get(k)):>9}" for k in columns))
     slo = []
-    if s["slo_ttft_seconds"] is not None:
-        slo.append(f"TTFT <= {s['slo_ttft_seconds'] * 1e3:g} ms")
-    if s["slo_tpot_seconds"] is not None:
-        slo.append(f"TPOT <= {s['slo_tpot_seconds'] * 1e3:g} ms")
+    for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2EL")):
+        if s.get(f"slo_{key}_seconds") is not None:
+            slo.append(f"{name} <= {s[f'slo_{key}_seconds'] * 1e3:g} ms")
     lines.append(
         f"  goodput       {_num(s['goodput'])} req/s: {s['requests_meeting_slo']} of "
         f"{s['requests']} requests met " + (" and ".join(slo) or "no objective")
     )
+    if "slo_attainment_per_token" in s:
+        lines.append(
+            f"  attainment    {_pct(s['slo_attainment'])} of requests, "
+            f"{_pct(s['slo_attainment_per_token'])} of output tokens on time; "
+            f"{_num(s['output_token_goodput'], 1)} output tokens/s within the objectives"
+        )
     hb, hs, bw = s["handoff_bytes"], s["handoff_seconds"], s["handoff_bytes_per_second"]
     hx = s.get("handoff_exposed_seconds") or {"p50": None, "p90": None, "p99": None}
     if hb["count"] and hb["max"]:
@@ -347,9 +389,42 @@ def summary_text(conds: dict, run: dict) -> str:
             lines.append(f"    {s['retried']} requests needed more than one handoff attempt")
     else:
         lines.append("  handoff       none reported (a colocated engine moves no KV)")
+    lines += _roles_lines(s.get("roles"))
     for note in run.get("notes", []):
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def _roles_lines(roles: dict | None) -> list[str]:
+    """Prefix hit rates and throughput per core, for the roles the run has figures of."""
+    if not roles:
+        return []
+    lines = []
+    for role in ("prefill", "decode"):
+        r = roles.get(role) or {}
+        prefix = r.get("prefix_cache") or {}
+        srv = r.get("server_metrics") or {}
+        parts = []
+        if prefix.get("hit_rate") is not None:
+            parts.append(f"prefix hits {_pct(prefix['hit_rate'])}")
+        elif srv.get("prefix_hit_rate") is not None:
+            parts.append(f"prefix hits {_pct(srv['prefix_hit_rate'])} (its /metrics)")
+        if r.get("tokens_per_second") is not None:
+            what = "prompt tokens computed" if role == "prefill" else "output tokens"
+            parts.append(f"{_num(r['tokens_per_second'], 1)} {what}/s")
+        if r.get("tokens_per_second_per_core") is not None:
+            parts.append(f"{_num(r['tokens_per_second_per_core'], 1)}/s per core ({r['cores']:g})")
+        if srv.get("busy_cores") is not None:
+            parts.append(f"{srv['busy_cores']:.2f} cores busy")
+        if srv.get("tokens_per_cpu_second") is not None:
+            parts.append(f"{_num(srv['tokens_per_cpu_second'], 1)} per CPU second")
+        if parts:
+            lines.append(f"  {role:<13} " + ", ".join(parts))
+    return lines
 
 
 def sweep_table(conds: dict, runs: list[dict]) -> str:

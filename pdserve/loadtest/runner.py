@@ -14,6 +14,7 @@ finished. With a concurrency cap a request waits for a free slot; the wait shows
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -24,7 +25,7 @@ from typing import Callable, TextIO
 import aiohttp
 import grpc
 
-from pdserve.loadtest import openai_client
+from pdserve.loadtest import openai_client, scrape
 from pdserve.loadtest.stats import RequestResult
 from pdserve.loadtest.workload import BenchRequest, WorkloadSpec, iter_requests
 from pdserve.rpc import model_info
@@ -54,6 +55,7 @@ class RunOptions:
     warmup: int = 0  # requests sent one at a time before the measured run, not recorded
     endpoint: str = "grpc"  # or openai-completions / openai-chat: the router's HTTP API
     http_url: str = "http://127.0.0.1:8000/v1"  # base URL of the HTTP API, for those
+    metrics_urls: tuple[str, ...] = ()  # services' /metrics, read before and after each rate
 
     def __post_init__(self) -> None:
         if self.num_requests is None and self.duration is None:
@@ -80,6 +82,8 @@ class RunResult:
     # shows up here (None where the platform has no load average).
     load_before: float | None = None
     load_after: float | None = None
+    # What the services' /metrics counters moved by over the run (scrape.deltas), or None.
+    scraped: dict | None = None
 
 
 class Progress:
@@ -181,11 +185,17 @@ def _server_view(last: pb.GenerateResponse) -> dict:
         "handoff_seconds": m.handoff.seconds,
         "handoff_exposed_seconds": m.handoff.exposed_seconds,
         "handoff_transport": m.handoff.transport,
+        "handoff_chunks": m.handoff.num_chunks,
+        "handoff_wire_bytes": m.handoff.wire_bytes,
         "prefill_seconds": m.prefill_seconds,
         "queue_seconds": m.queue_seconds,
         "prefill_instance": m.prefill_instance,
         "decode_instance": m.decode_instance,
         "attempts": m.attempts,
+        "prefill_path": m.prefill_path,
+        "prefix_cached_tokens": m.prefix_cached_tokens,
+        "prefill_cached_tokens": m.prefill_cached_tokens,
+        "phases": {f.name: getattr(m.phases, f.name) for f in m.phases.DESCRIPTOR.fields},
     }
 
 
@@ -295,6 +305,7 @@ async def run_rate(
             show_progress,
         )
         slots = asyncio.Semaphore(options.concurrency) if options.concurrency else None
+        before = await scrape.snapshot(options.metrics_urls) if options.metrics_urls else None
         load_before = _load()
         started_unix = time.time()
         t0 = time.perf_counter()
@@ -333,8 +344,21 @@ async def run_rate(
         finally:
             progress.close()
         duration = time.perf_counter() - t0
+    load_after = _load()
+    scraped = None
+    if before is not None:
+        scraped = scrape.deltas(before, await scrape.snapshot(options.metrics_urls))
+        notes += [f"metrics not read: {e}" for e in scraped["errors"]]
     return RunResult(
-        spec, results, duration, started_unix, options.warmup, notes, load_before, _load()
+        spec,
+        results,
+        duration,
+        started_unix,
+        options.warmup,
+        notes,
+        load_before,
+        load_after,
+        scraped,
     )
 
 
@@ -399,20 +423,7 @@ async def run_sweep(
     for i, rate in enumerate(rates):
         if i:
             await asyncio.sleep(pause)
-        opts = (
-            options
-            if i == 0
-            else RunOptions(
-                options.address,
-                options.num_requests,
-                options.duration,
-                options.concurrency,
-                options.timeout,
-                options.temperature,
-                options.ignore_eos,
-                warmup=0,
-            )
-        )
+        opts = options if i == 0 else dataclasses.replace(options, warmup=0)
         label = f"rate {rate:g} ({i + 1}/{len(rates)})" if len(rates) > 1 else f"rate {rate:g}"
         run = await run_rate(spec.with_rate(rate), opts, label, show_progress=show_progress)
         runs.append(run)

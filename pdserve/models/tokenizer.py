@@ -49,6 +49,11 @@ class Tokenizer(Protocol):
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's logprobs report them (a special token's
+        own name, such as <|im_end|>); it may be part of a UTF-8 character."""
+        ...
+
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
     if not messages:
@@ -79,6 +84,9 @@ class ByteTokenizer:
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
         return _ByteDetokenizer()
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b"<eos>"
+
 
 class _ByteDetokenizer:
     def __init__(self) -> None:
@@ -102,6 +110,7 @@ class HfTokenizer:
         special_tokens: dict[str, str],
     ) -> None:
         from tokenizers import Tokenizer as _Tokenizer
+        from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
         try:
             self._tok = _Tokenizer.from_file(str(tokenizer_file))
@@ -113,6 +122,10 @@ class HfTokenizer:
         self.eos_token_ids = eos_token_ids
         self._template = _compile_template(chat_template) if chat_template else None
         self._special_tokens = special_tokens
+        self._byte_level = isinstance(self._tok.decoder, ByteLevelDecoder)
+        self._special_ids = {
+            i for i, added in self._tok.get_added_tokens_decoder().items() if added.special
+        }
 
     @property
     def has_chat_template(self) -> bool:
@@ -141,6 +154,29 @@ class HfTokenizer:
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
         return _IncrementalDetokenizer(self, prompt_token_ids[-DETOKENIZER_CONTEXT:])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode()
+        if self._byte_level:  # each character of the piece stands for one byte
+            return bytes(_BYTE_OF_CHARACTER.get(c, 0x3F) for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes byte b as itself when it is a printable Latin-1 character,
+    and as chr(256 + n) for the n-th other byte (Radford et al., 2019, the GPT-2 encoder)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_OF_CHARACTER = _byte_level_alphabet()
 
 
 class _IncrementalDetokenizer:

@@ -2,10 +2,11 @@
 
 import uuid
 
-from pdserve.core.request import GenerateSpec, SamplingSpec, one_prompt
-from pdserve.engine.sequence import FinishReason
+from pdserve.core.picked import TokenLogprobs
+from pdserve.core.request import GenerateSpec, InvalidRequest, SamplingSpec, one_prompt
+from pdserve.engine.sequence import Emission, FinishReason
 from pdserve.models.loading import ServedModel
-from pdserve.models.tokenizer import ChatMessage, Tokenizer
+from pdserve.models.tokenizer import MAX_CHAT_MESSAGES, ChatMessage, Tokenizer
 from pdserve.v1 import pdserve_pb2 as pb
 
 FINISH_TO_PB = {
@@ -32,6 +33,8 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingSpec:
         min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
         logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -52,15 +55,49 @@ def sampling_to_pb(s: SamplingSpec) -> pb.SamplingParams:
         min_tokens=s.min_tokens,
         stop_token_ids=list(s.stop_token_ids),
         logit_bias=dict(s.logit_bias),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
     )
 
 
-def spec_from_generate(request: pb.GenerateRequest, tokenizer: Tokenizer) -> GenerateSpec:
+def logprobs_to_pb(token: int, logprobs: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token,
+        logprob=logprobs.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
+
+
+def prompt_logprobs_to_pb(
+    prompt: tuple[int, ...], scored: list[TokenLogprobs]
+) -> list[pb.TokenLogprob]:
+    """A scored prompt's logprobs: entry i is prompt[i + 1]'s (the first token has none)."""
+    return [logprobs_to_pb(t, lp) for t, lp in zip(prompt[1:], scored, strict=True)]
+
+
+def logprobs_from_pb(message: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(message.logprob, tuple((t.token_id, t.logprob) for t in message.top))
+
+
+def token_event(emission: Emission) -> pb.TokenEvent:
+    """An emission's tokens, text and (when asked for) log-probabilities."""
+    return pb.TokenEvent(
+        token_ids=emission.token_ids,
+        text=emission.text,
+        logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(emission.token_ids, emission.logprobs)],
+    )
+
+
+def spec_from_generate(
+    request: pb.GenerateRequest, tokenizer: Tokenizer, max_context: int
+) -> GenerateSpec:
     """The client's request as a spec (not yet validated); assigns a request id when empty.
 
     Raises InvalidRequest unless exactly one of prompt, prompt_token_ids and messages is given,
-    or when the chat cannot be rendered.
+    when the chat cannot be rendered, or when the prompt is plainly longer than the context
+    (checked first, before any work on it) or the client set first_step.
     """
+    _check_client_request(request, max_context)
     one_prompt(request.prompt, list(request.prompt_token_ids), list(request.messages))
     if request.messages:
         tokens = tokenizer.render_chat([ChatMessage(m.role, m.content) for m in request.messages])
@@ -71,6 +108,35 @@ def spec_from_generate(request: pb.GenerateRequest, tokenizer: Tokenizer) -> Gen
     return GenerateSpec(
         request.request_id or uuid.uuid4().hex, tuple(tokens), sampling_from_pb(request.sampling)
     )
+
+
+# A token of any vocabulary here spells at most this many characters; a text over max_context
+# times as many cannot fit the context, and is refused before it is tokenized.
+MAX_CHARACTERS_PER_TOKEN = 64
+
+
+def _check_client_request(request: pb.GenerateRequest, max_context: int) -> None:
+    """What can be refused at once, in time that does not grow with the prompt."""
+    if request.sampling.first_step:
+        raise InvalidRequest(
+            "sampling.first_step is the router's, set when it moves a request to another "
+            "decode instance; a client must leave it 0"
+        )
+    if len(request.prompt_token_ids) > max_context:
+        raise InvalidRequest(
+            f"the prompt has {len(request.prompt_token_ids)} token ids, over the context length "
+            f"of {max_context}"
+        )
+    if len(request.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(
+            f"at most {MAX_CHAT_MESSAGES} chat messages, got {len(request.messages)}"
+        )
+    characters = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    if characters > max_context * MAX_CHARACTERS_PER_TOKEN:
+        raise InvalidRequest(
+            f"the prompt has {characters} characters, far over what a context of {max_context} "
+            "tokens holds"
+        )
 
 
 def spec_from_internal(

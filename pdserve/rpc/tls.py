@@ -29,7 +29,9 @@ ALLOWED_ROLES = {
     "/pdserve.v1.DecodeService/Decode": "router",
     "/pdserve.v1.DecodeService/GetPoolStats": "router",
     "/pdserve.v1.DecodeService/PushKv": "prefill",
+    "/pdserve.v1.DecodeService/GetDataEndpoints": "prefill",
     "/pdserve.v1.PrefillService/Prefill": "router",
+    "/pdserve.v1.PrefillService/ScorePrompt": "router",
 }
 
 
@@ -111,12 +113,18 @@ class Tls:
         return ctx
 
 
-def client_channel(address: str) -> grpc.Channel:
+def client_channel(address: str, server_name: str | None = None) -> grpc.Channel:
     """A blocking channel for the command-line clients (generate, chat, health): TLS when
     PDSERVE_TLS_CA is set (with PDSERVE_TLS_CERT and PDSERVE_TLS_KEY, also a client
-    certificate), plaintext otherwise; PDSERVE_API_KEY's key on every call (rpc/api_key.py)."""
+    certificate), plaintext otherwise; PDSERVE_API_KEY's key on every call (rpc/api_key.py).
+    server_name: verify the server's certificate as that name (a role) instead of the address."""
     creds = _client_credentials_from_env()
-    channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    options = target_name_option(server_name) if server_name else None
+    channel = (
+        grpc.secure_channel(address, creds, options=options)
+        if creds
+        else grpc.insecure_channel(address)
+    )
     return grpc.intercept_channel(channel, ApiKeyInterceptor()) if api_key_metadata() else channel
 
 
@@ -175,6 +183,29 @@ def peer_role(context) -> str | None:
     """The common name of the peer's verified certificate, or None without one."""
     names = context.auth_context().get("x509_common_name") or []
     return names[0].decode() if names else None
+
+
+def peer_identity(context) -> str:
+    """Who is calling, for the limits kept per caller (decode's pending-lease shares): the role
+    and name of the peer's verified certificate under mTLS ("router CN=router,O=..."), else the
+    host it connects from (without TLS, every process on one machine is one caller: an address
+    is all there is to tell callers apart, and a port would let one caller be many)."""
+    auth = context.auth_context()
+    role = peer_role(context)
+    if role is not None:
+        subject = (auth.get("x509_subject") or [b""])[0].decode(errors="replace")
+        return f"{role} {subject}".rstrip()
+    return peer_host(context.peer())
+
+
+def peer_host(peer: str) -> str:
+    """The host of a grpc peer string: ipv4:1.2.3.4:5 -> 1.2.3.4, ipv6:[::1]:5 -> ::1."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    return peer  # unix: and the like name the socket, which is as close as it gets
 
 
 class RoleInterceptor(grpc.aio.ServerInterceptor):

@@ -16,6 +16,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler
+from pdserve.engine.prompt_scoring import ScoreQueue
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.sequence import Sink
 from pdserve.models.loading import ServedModel
@@ -36,16 +37,19 @@ class ColocatedEngine:
         self.chunked = ChunkedPrefill(
             runner, self.decode, settings.chunk_tokens, "colocated", jobs=self.prefill
         )
+        self.scores = ScoreQueue(self.model)  # echo's prompt logprobs, between steps
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self._crashed)
 
     def has_work(self) -> bool:
-        return self.prefill.has_work or self.chunked.has_work or self.decode.has_work
+        busy = self.prefill.has_work or self.chunked.has_work or self.decode.has_work
+        return busy or self.scores.pending
 
     @property
     def queue_depth(self) -> int:
         return self.prefill.queue_depth + self.chunked.chunks.depth
 
     def step(self) -> None:
+        self.scores.run_next()
         if self.chunk_tokens:
             self.chunked.step()
         else:
@@ -73,7 +77,7 @@ class ColocatedEngine:
             handle.job = PrefillJob(
                 spec,
                 lambda layer, k, v: self._store(handle, layer, k, v),
-                on_done=lambda token, timing: self.chunked.prefilled(handle, token, timing),
+                on_done=lambda first, timing: self.chunked.prefilled(handle, first, timing),
                 on_error=lambda msg: self.chunked.failed(handle, msg),
             )
             self.prefill.add(handle.job)
@@ -90,4 +94,5 @@ class ColocatedEngine:
         self.cache.write(layer, handle.table.slots(0, handle.spec.prompt_len), k, v)
 
     def _crashed(self, message: str) -> None:
+        self.scores.fail_all(message)
         self.chunked.fail_all(message)

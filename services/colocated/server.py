@@ -45,7 +45,11 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         tokenizer = self.served.tokenizer
-        responses = self.generate(lambda: convert.spec_from_generate(request, tokenizer), None, "")
+        responses = self.generate(
+            lambda: convert.spec_from_generate(request, tokenizer, self.config.max_context),
+            None,
+            "",
+        )
         async with contextlib.aclosing(responses):
             async for response in responses:
                 yield response
@@ -64,6 +68,21 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
             async for response in self._run(make_spec()):
                 yield response
 
+    async def prompt_logprobs(
+        self, make_spec: Callable[[], GenerateSpec], top: int, client: str
+    ) -> list[pb.TokenLogprob]:
+        """The prompt's own log-probabilities (OpenAI's echo), scored between engine steps."""
+        self.admission.refuse_if_draining()
+        with self.admission.track():
+            spec = validate(make_spec(), self.config)
+            try:
+                scored = await self.engine.scores.score(
+                    spec.prompt_token_ids, top, self.engine.loop.wake
+                )
+            except RuntimeError as exc:
+                raise ServiceError(grpc.StatusCode.INTERNAL, str(exc)) from None
+            return convert.prompt_logprobs_to_pb(spec.prompt_token_ids, scored)
+
     async def _run(self, unchecked: GenerateSpec) -> AsyncGenerator[pb.GenerateResponse, None]:
         received = time.perf_counter()
         spec = validate(unchecked, self.config)
@@ -76,8 +95,12 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
                 if emission.error is not None:
                     raise ServiceError(grpc.StatusCode.INTERNAL, emission.error)
                 first_token_at = first_token_at or time.perf_counter()
+                event = convert.token_event(emission)
                 response = pb.GenerateResponse(
-                    request_id=spec.request_id, token_ids=emission.token_ids, text=emission.text
+                    request_id=spec.request_id,
+                    token_ids=event.token_ids,
+                    text=event.text,
+                    logprobs=event.logprobs,
                 )
                 if emission.finish_reason is not None:
                     self._finish(response, emission.finish_reason, handle, received, first_token_at)

@@ -8,6 +8,7 @@ import logging
 from pdserve import metrics
 
 from pdserve.core.block_pool import BlockPool
+from pdserve.core.picked import Pick
 from pdserve.engine.chunked_prefill import ChunkedPrefill, Handle
 from pdserve.engine.decode_scheduler import DecodeScheduler
 from pdserve.engine.engine_loop import EngineLoop
@@ -58,9 +59,9 @@ class DecodeEngine:
     def stop(self) -> None:
         self.loop.stop()
 
-    def start_sequence(self, lease: Lease, first_token: int) -> Sequence:
+    def start_sequence(self, lease: Lease, first: Pick) -> Sequence:
         """Turns a committed lease into a running sequence that begins with prefill's token."""
-        seq = self.scheduler.start(lease.spec, lease.table, lease.sink, first_token)
+        seq = self.scheduler.start(lease.spec, lease.table, lease.sink, first)
         self.loop.wake()
         return seq
 

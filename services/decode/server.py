@@ -13,13 +13,15 @@ import grpc
 
 from pdserve import metrics, tracing
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.picked import Pick
 from pdserve.engine.chunked_prefill import Handle
 from pdserve.core.request import GenerateSpec, validate
 from pdserve.engine.sequence import Sequence
-from pdserve.kv.grpc_transport import push_kv_handler
+from pdserve.kv.data_endpoints import data_endpoints_handler
+from pdserve.kv.grpc_transport import IngestLimits, push_kv_handler
 from pdserve.kv.leases import Lease, LeaseLimits, LeaseState, LeaseTable
 from pdserve.kv.receiver import KvReceiver
-from pdserve.kv.tcp_transport import DataPlaneServer
+from pdserve.kv.tcp_transport import DataPlaneLimits, DataPlaneServer
 from pdserve.models.loading import ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
 from pdserve.rpc.errors import ServiceError
@@ -31,7 +33,7 @@ from pdserve.rpc.server import (
     instance_name,
     run_until_signalled,
 )
-from pdserve.rpc.tls import Tls, check_plaintext_allowed
+from pdserve.rpc.tls import Tls, check_plaintext_allowed, peer_identity
 from pdserve.settings import DecodeSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.decode.engine import DecodeEngine
@@ -63,11 +65,12 @@ class DecodeServicer:
         metadata = context.invocation_metadata()
         with tracing.server_span("pdserve.decode", metadata, request_id=request.request_id):
             # Closed with this call, whichever way it ends, so that its blocks go back at once.
-            async with contextlib.aclosing(self._decode(request)) as responses:
+            responses = self._decode(request, peer_identity(context))
+            async with contextlib.aclosing(responses):
                 async for response in responses:
                     yield response
 
-    async def _decode(self, request: pb.DecodeRequest):
+    async def _decode(self, request: pb.DecodeRequest, caller: str):
         check_same_model(self.served, request.model_fingerprint, "the lease request")
         spec = validate(
             convert.spec_from_internal(
@@ -86,7 +89,8 @@ class DecodeServicer:
         limits = LeaseLimits(
             ttl, self.settings.lease_first_chunk_seconds, self.settings.max_pending_lease_share
         )
-        lease = self.leases.grant(spec, limits, sink)  # NeverFits, PoolExhausted: errors.py
+        # NeverFits, PoolExhausted: errors.py. The pending share is the caller's own.
+        lease = self.leases.grant(spec, limits, sink, caller)
         cached = self._looked_up(spec, lease.table)
         log.debug(
             "lease %s granted for request %s (%d blocks)",
@@ -161,10 +165,10 @@ class DecodeServicer:
             self.leases.void(lease, "request ended before its KV was committed")
         self.leases.forget(lease)
 
-    def _committed(self, lease: Lease, first_token: int) -> None:
+    def _committed(self, lease: Lease, first: Pick) -> None:
         """The receiver accepted the lease's commit: the sequence starts decoding."""
         lease.table.prompt_written = True
-        lease.sequence = self.engine.start_sequence(lease, first_token)
+        lease.sequence = self.engine.start_sequence(lease, first)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers DecodeService. PushKv reads its messages with pdserve.kv.frames rather than
@@ -176,7 +180,9 @@ class DecodeServicer:
                 request_deserializer=pb.DecodeRequest.FromString,
                 response_serializer=pb.DecodeResponse.SerializeToString,
             ),
-            "PushKv": push_kv_handler(self.receiver),
+            "PushKv": push_kv_handler(self.receiver, self._ingest_limits()),
+            # What prefill checks a lease's data endpoint against before dialling it.
+            "GetDataEndpoints": data_endpoints_handler(lambda: self.data_endpoints, self.instance),
             "GetPoolStats": grpc.unary_unary_rpc_method_handler(
                 self.GetPoolStats,
                 request_deserializer=pb.GetPoolStatsRequest.FromString,
@@ -186,6 +192,11 @@ class DecodeServicer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("pdserve.v1.DecodeService", handlers),)
         )
+
+    def _ingest_limits(self) -> IngestLimits:
+        """A stream lasts at most as long as a lease may wait for its commit."""
+        s = self.settings
+        return IngestLimits(s.kv_stream_limit, s.kv_first_frame_seconds, s.lease_ttl_seconds)
 
     async def GetPoolStats(self, request, context) -> pb.GetPoolStatsResponse:
         return pb.GetPoolStatsResponse(
@@ -222,7 +233,7 @@ async def _events(
             raise ServiceError(grpc.StatusCode.ABORTED, emission.error)
         if len(arrivals) < 2:
             arrivals.append(time.perf_counter())
-        tokens = pb.TokenEvent(token_ids=emission.token_ids, text=emission.text)
+        tokens = convert.token_event(emission)
         if emission.finish_reason is None:
             yield pb.DecodeResponse(tokens=tokens)
             continue
@@ -257,6 +268,11 @@ async def serve(served: ServedModel, settings: DecodeSettings) -> None:
         settings.num_blocks,
         lambda: servicer.engine.scheduler.size,
     )
+    pool = servicer.engine.pool  # waiting: reservations whose KV is not yet committed
+    metrics.watch_load(
+        "decode",
+        lambda: metrics.Load.of_pool(servicer.leases.pending, servicer.engine.scheduler.size, pool),
+    )
     servicer.add_to_server(server.grpc)
     model_info.add_to_server(served, server.grpc)
     data_plane = await _start_data_plane(servicer, settings)
@@ -281,8 +297,13 @@ async def _start_data_plane(
     if settings.kv_data_port < 0:
         log.info("KV data plane off: KV arrives over DecodeService.PushKv only")
         return None
-    # A connection that goes quiet is closed after as long as a lease may wait for its KV.
-    plane = DataPlaneServer(servicer.receiver, idle_timeout=settings.lease_ttl_seconds)
+    # A connection lives at most as long as a lease may wait for its commit.
+    limits = DataPlaneLimits(
+        stream_seconds=settings.lease_ttl_seconds,
+        max_connections=settings.max_kv_connections,
+        max_per_peer=settings.max_kv_connections_per_peer,
+    )
+    plane = DataPlaneServer(servicer.receiver, limits)
     common = settings.common
     tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
     if tls is None:

@@ -13,9 +13,9 @@ from pdserve import metrics, tracing
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.prefill_prefix import PrefixCachedPrefill
 from pdserve.engine.prefill_scheduler import PrefillJob, PrefillScheduler, PrefillTiming
+from pdserve.engine.prompt_scoring import ScoreQueue
 from pdserve.core.request import validate
 from pdserve.kv.grpc_transport import GrpcKvSink
-from pdserve.kv.leases import shown
 from pdserve.kv.receiver import Committed
 from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import TcpKvSink
@@ -29,11 +29,11 @@ from pdserve.rpc.server import (
     instance_name,
     run_until_signalled,
 )
-from pdserve.rpc.discovery import resolve
-from pdserve.rpc.tls import Tls, is_loopback
+from pdserve.rpc.tls import Tls
 from pdserve.settings import PREFILL_BLOCK_TOKENS, PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.services.prefill.dial_policy import DialPolicy
 
 log = logging.getLogger(__name__)
 # A prompt that waited longer than this for its batch is logged (at most every 10 s): prefill is
@@ -43,8 +43,6 @@ _slow_queue = RateLimitedLog(10.0)
 
 # Decode addresses come from the router; a bound keeps a stream of new ones from piling up.
 MAX_DECODE_CHANNELS = 64
-# --decode-allow names are resolved again after this long, so scaled replicas are allowed.
-ALLOWED_DECODES_TTL_SECONDS = 1.0
 # A data plane that does not accept a connection this fast is taken as absent (auto: gRPC).
 DATA_PLANE_CONNECT_SECONDS = 2.0
 
@@ -67,20 +65,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             served.tokenizer.eos_token_ids,
             self.prefix,
         )
+        self.scores = ScoreQueue(served.built)  # echo's prompt logprobs, between batches
         self.loop = EngineLoop(
-            "prefill-engine", self._step, lambda: self.scheduler.has_work, self._crashed
+            "prefill-engine",
+            self._step,
+            lambda: self.scheduler.has_work or self.scores.pending,
+            self._crashed,
         )
         self.steps = 0
         self.broken: str | None = None  # why the engine loop failed, once it has
         self.on_broken: Callable[[], None] = lambda: None
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
-        self._allowed: set[str] = set()  # --decode-allow, resolved
-        self._allowed_at = -math.inf
         common = settings.common
         self.tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)
+        self.dial = DialPolicy(settings.decode_allow, self._channel)
         self.admission = Admission()
 
     def _step(self) -> None:
+        self.scores.run_next()
         if not self.scheduler.has_jobs:  # only cancels wait: carry them out, no step to count
             self.scheduler.apply_cancels()
             return
@@ -97,22 +99,53 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         be trusted. Every job fails now, and the instance says NOT_SERVING so routers stop."""
         log.error("prefill engine failed: %s; failing its jobs and leaving service", message)
         self.broken = message
+        self.scores.fail_all(message)
         self.scheduler.fail_all(message)
         self.on_broken()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        self._refuse_unless_serving(request)
+        with self.admission.track():
+            metadata = context.invocation_metadata()
+            with tracing.server_span("pdserve.prefill", metadata, request_id=request.request_id):
+                return await self._prefill(request, context)
+
+    async def ScorePrompt(self, request: pb.ScorePromptRequest, context) -> pb.ScorePromptResponse:
+        """The prompt's own logprobs, computed between batches. Under the same limits as
+        Prefill calls: a score holds the engine for about one prefill of its prompt."""
+        self._refuse_unless_serving(request)
+        with self.admission.track():
+            check_same_model(self.served, request.model_fingerprint, "the score request")
+            spec = validate(
+                convert.spec_from_internal(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    pb.SamplingParams(
+                        max_tokens=1, logprobs=True, top_logprobs=request.top_logprobs
+                    ),
+                ),
+                self.config,
+            )
+            try:
+                scored = await self.scores.score(
+                    spec.prompt_token_ids, spec.sampling.top_logprobs, self.loop.wake
+                )
+            except RuntimeError as exc:
+                raise ServiceError(grpc.StatusCode.INTERNAL, str(exc)) from None
+            return pb.ScorePromptResponse(
+                logprobs=convert.prompt_logprobs_to_pb(spec.prompt_token_ids, scored)
+            )
+
+    def _refuse_unless_serving(self, request: pb.PrefillRequest | pb.ScorePromptRequest) -> None:
+        """UNAVAILABLE once the engine failed or while draining; else the limits below."""
         if self.broken:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE, f"this prefill instance's engine failed: {self.broken}"
             )
         self.admission.refuse_if_draining()
         self._refuse_beyond_limits(request)
-        with self.admission.track():
-            metadata = context.invocation_metadata()
-            with tracing.server_span("pdserve.prefill", metadata, request_id=request.request_id):
-                return await self._prefill(request, context)
 
-    def _refuse_beyond_limits(self, request: pb.PrefillRequest) -> None:
+    def _refuse_beyond_limits(self, request: pb.PrefillRequest | pb.ScorePromptRequest) -> None:
         """RESOURCE_EXHAUSTED, naming the limit, rather than a queue that grows without bound."""
         s = self.settings
         if self.admission.in_flight >= s.max_concurrent_prefills:
@@ -147,11 +180,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"cached_tokens {request.cached_tokens} outside [0, {spec.prompt_len})",
             )
-        refusal = await self._decode_not_allowed(request.decode_address)
+        refusal = await self.dial.decode_refusal(request.decode_address)
         if refusal:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
-            sink = await self._open_sink(request, spec)
+            sink = await self._open_sink(request, spec, await self._data_plane(request))
         except KvTransferFailed as exc:
             raise _push_failed(request, exc, "tcp") from None
         loop = asyncio.get_running_loop()
@@ -169,8 +202,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.scheduler.add(job)
         self.loop.wake()
         try:
-            first_token, timing = await _first_of(done, push)
-            sink.commit(first_token)
+            first, timing = await _first_of(done, push)
+            sink.commit(first)
             committed = await push
         except KvTransferFailed as exc:
             raise _push_failed(request, exc, sink.transport) from None
@@ -180,30 +213,22 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.scheduler.cancel(job)  # carried out by the engine thread
             self.loop.wake()
             push.cancel()
-        return self._reply(spec.request_id, first_token, timing, sink, committed)
+        return self._reply(spec.request_id, first.token, timing, sink, committed)
 
-    async def _decode_not_allowed(self, address: str) -> str:
-        """Why this prefill may not send KV to `address`, or "". Checked before any connection,
-        so a caller cannot use prefill to probe hosts and ports: the answer is the same whether
-        anything listens there or not."""
-        if self.settings.decode_allow:
-            now = time.monotonic()
-            if now - self._allowed_at > ALLOWED_DECODES_TTL_SECONDS:
-                found = await asyncio.gather(*map(resolve, self.settings.decode_allow))
-                self._allowed, self._allowed_at = set().union(*found), now
-            if address in self._allowed:
-                return ""
-            return f"decode address {shown(address)} is not one of this prefill's --decode-allow"
-        if is_loopback(_host_of(address)):
-            return ""
-        return (
-            f"decode address {shown(address)} is not on loopback, and this prefill names no "
-            "--decode-allow instances"
-        )
+    async def _data_plane(self, request: pb.PrefillRequest) -> tuple[str, int] | None:
+        """Where the lease's TCP data plane is, checked by the dial policy, when it is to be
+        used; None for gRPC."""
+        endpoint = next((e for e in request.data_endpoints if e.transport == "tcp"), None)
+        if self.settings.kv_transport == "grpc" or endpoint is None:
+            return None
+        return await self.dial.data_plane(request.decode_address, endpoint)
 
-    async def _open_sink(self, request: pb.PrefillRequest, spec) -> KvSink:
-        """The lease's TCP data plane when decode offers one (and --kv-transport allows it),
-        else DecodeService.PushKv. An unreachable data plane falls back to gRPC under auto."""
+    async def _open_sink(
+        self, request: pb.PrefillRequest, spec, data_plane: tuple[str, int] | None
+    ) -> KvSink:
+        """The lease's TCP data plane at `data_plane` when decode offers one (and --kv-transport
+        allows it), else DecodeService.PushKv. An unreachable data plane falls back to gRPC
+        under auto."""
         target = KvTarget(
             request.lease_id,
             spec.request_id,
@@ -215,11 +240,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             request.cached_tokens,
         )
         faults, mode = self.settings.common.faults, self.settings.kv_transport
-        endpoint = next((e for e in request.data_endpoints if e.transport == "tcp"), None)
-        if mode != "grpc" and endpoint is not None:
-            host = endpoint.host or _host_of(request.decode_address)
+        if data_plane is not None:
+            host, port = data_plane
             sink = TcpKvSink(
-                target, faults, host, endpoint.port, self.tls.client_context() if self.tls else None
+                target, faults, host, port, self.tls.client_context() if self.tls else None
             )
             try:
                 await sink.connect(DATA_PLANE_CONNECT_SECONDS)
@@ -324,12 +348,6 @@ def _push_failed(request: pb.PrefillRequest, exc: KvTransferFailed, transport: s
         f"KV push to decode {request.decode_address} over {transport} failed: "
         f"{exc.code}: {exc.message}",
     )
-
-
-def _host_of(address: str) -> str:
-    """The host of host:port ([v6]:port too), where a data endpoint without a host lives."""
-    host = address.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
 
 
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:

@@ -83,6 +83,7 @@ class Attempts:
                         request_id=spec.request_id,
                         token_ids=event.event.token_ids,
                         text=event.event.text,
+                        logprobs=event.event.logprobs,
                     )
                     continue
                 reply = event.reply
@@ -257,6 +258,7 @@ class Attempts:
             request_id=spec.request_id,
             token_ids=finished.last.token_ids,
             text=finished.last.text,
+            logprobs=finished.last.logprobs,
             finish_reason=finished.finish_reason,
             usage=finished.usage,
             metrics=pb.RequestMetrics(

@@ -14,6 +14,7 @@ from typing import AbstractSet, Callable, Generic, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve import metrics
 from pdserve.rpc import model_info
 from pdserve.rpc.discovery import resolve
 from pdserve.rpc.server import channel_to
@@ -43,6 +44,7 @@ class Instance(Generic[StubT]):
     # Load, for the routing policy: decode's pool as last reported, and prefill's prompt tokens
     # that this router has sent and not yet seen answered.
     free_blocks: int = 0
+    total_blocks: int = 0
     running: int = 0
     queued_tokens: int = 0
     streams: int = 0  # decode: requests this router holds a reservation there for, now
@@ -82,6 +84,20 @@ class BackendSet(Generic[StubT]):
             )
         pool = [i for i in same_model if i.healthy] or same_model
         return self._policy.order(pool, request, avoid)
+
+    def load(self, waiting: int) -> metrics.Load:
+        """Decode's load as this router sees it, for endpoint pickers that choose among routers:
+        `waiting` requests, those holding a reservation here running, and the pools of the
+        healthy instances as last reported (refreshed every second). The pools are summed in
+        blocks: decode instances share one block size, which the prefix index assumes too."""
+        pools = [i for i in self.instances.values() if i.healthy and i.total_blocks]
+        return metrics.Load(
+            waiting=waiting,
+            running=sum(i.streams for i in self.instances.values()),
+            used_blocks=sum(i.total_blocks - i.free_blocks for i in pools),
+            total_blocks=sum(i.total_blocks for i in pools),
+            block_size=min((i.block_size for i in pools), default=0),
+        )
 
     @property
     def any_healthy(self) -> bool:
@@ -134,6 +150,7 @@ class BackendSet(Generic[StubT]):
         except grpc.aio.AioRpcError:
             return
         instance.free_blocks, instance.running = stats.free_blocks, stats.running
+        instance.total_blocks = stats.total_blocks
         instance.block_size, instance.prefix_cache = stats.block_size, stats.prefix_cache
 
     async def _check_model(self, instance: Instance[StubT]) -> None:

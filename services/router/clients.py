@@ -15,12 +15,15 @@ import contextlib
 import functools
 import hashlib
 import hmac
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
+from pdserve.rpc.tls import peer_host as grpc_peer_host  # noqa: F401 (services/router/server.py)
 from pdserve.services.router.errors import RouterError
 
 # How many seconds of its rate a client may save up, and so spend at once.
@@ -29,50 +32,89 @@ BURST_SECONDS = 2.0
 CLIENTS_REMEMBERED = 1024
 
 
+# A --prefix-cache-secret-file shorter than this is too easy to guess.
+MIN_SECRET_BYTES = 16
+
+
 class ApiKeys:
     """The keys of `--api-key` ("" for none), compared in constant time."""
 
     def __init__(self, raw: str) -> None:
-        keys = [k.strip() for k in raw.split(",") if k.strip()]
-        self._bearers = [f"Bearer {k}".encode() for k in keys]
-        # Each key's prefix-cache salt comes from the key itself: it follows the key wherever
-        # the key sits in the list, and no one without the key can compute it.
-        self._salts = {
-            f"key #{i}": hashlib.blake2b(k.encode(), digest_size=16, person=b"pdserve-key").digest()
-            for i, k in enumerate(keys, start=1)
-        }
+        self.keys = [k.strip() for k in raw.split(",") if k.strip()]
+        self._keys = [k.encode() for k in self.keys]
 
     @property
     def required(self) -> bool:
-        return bool(self._bearers)
+        return bool(self._keys)
 
     def client_of(self, authorization: str) -> str | None:
         """'key #i' for the key this `Authorization` value carries, or None. Every key is
         compared, whichever matches, so the time taken says nothing about which is close."""
-        given = authorization.encode()
+        given = _bearer_credentials(authorization)
         found = None
-        for i, bearer in enumerate(self._bearers, start=1):
-            if hmac.compare_digest(given, bearer) and found is None:
+        for i, key in enumerate(self._keys, start=1):
+            if hmac.compare_digest(given, key) and found is None:
                 found = f"key #{i}"
         return found
 
-    def cache_salt(self, client: str) -> bytes:
-        """The prefix-cache salt of a client (services/router/server.py): its key's, or, for a
-        client known by its address, a digest of the address."""
-        salt = self._salts.get(client)
+
+class CacheSalts:
+    """Each client's prefix-cache salt (services/router/server.py), which decode and prefill
+    match cached prefixes by. No one but the client's own router may be able to compute it:
+    whoever can, can ask decode directly which prompts are cached under it, or commit KV there.
+
+    - A client known by its API key: a digest of the key, which only that client and the
+      routers hold; it follows the key wherever the key sits in the list.
+    - A client known by its address: a digest of the address keyed by the routers' secret
+      (--prefix-cache-secret-file), since anyone knows an address.
+    """
+
+    def __init__(self, keys: ApiKeys, secret: bytes) -> None:
+        self._secret = secret
+        self._by_key = {
+            f"key #{i}": hashlib.blake2b(k.encode(), digest_size=16, person=b"pdserve-key").digest()
+            for i, k in enumerate(keys.keys, start=1)
+        }
+
+    def of(self, client: str) -> bytes:
+        salt = self._by_key.get(client)
         if salt is None:
-            salt = hashlib.blake2b(client.encode(), digest_size=16, person=b"pdserve-addr").digest()
+            salt = hashlib.blake2b(
+                client.encode(), digest_size=16, key=self._secret, person=b"pdserve-addr"
+            ).digest()
         return salt
 
 
-def grpc_peer_host(peer: str) -> str:
-    """The host of a grpc peer string: ipv4:1.2.3.4:5 -> 1.2.3.4, ipv6:[::1]:5 -> ::1."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0]
-    return peer  # unix: and the like name the socket, which is as close as it gets
+def load_salt_secret(path: str) -> bytes:
+    """The secret of --prefix-cache-secret-file (32 bytes digested from the file), or a fresh
+    random one when no file is named. Raises ValueError naming what is wrong with the file."""
+    if not path:
+        return secrets.token_bytes(32)
+    try:
+        content = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"--prefix-cache-secret-file {path}: {exc.strerror}") from None
+    if len(content.strip()) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"--prefix-cache-secret-file {path}: at least {MIN_SECRET_BYTES} secret bytes are "
+            f"needed, it has {len(content.strip())}"
+        )
+    return hashlib.blake2b(content.strip(), digest_size=32, person=b"pdserve-secret").digest()
+
+
+def _bearer_credentials(authorization: str) -> bytes:
+    """The credentials of `Bearer <credentials>`, or b"" for any other scheme or none. The scheme
+    is matched without regard to case (RFC 7235, 2.1: `bearer` and `BEARER` are Bearer), and may
+    be followed by several spaces. A header's bytes that are not UTF-8 reach here as surrogate
+    escapes (aiohttp's decoding), which encode back to those same bytes; any other surrogate
+    cannot be part of a key."""
+    scheme, _, credentials = authorization.partition(" ")
+    if not (scheme.isascii() and scheme.lower() == "bearer"):
+        return b""
+    try:
+        return credentials.lstrip(" ").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return b""
 
 
 @dataclass

@@ -11,30 +11,38 @@ the same API through its own `generate` (a Backend), so one client measures both
     GET  /v1/models             the served model and its context length
     GET  /health                200 while a prefill and a decode instance serve, else 503
 
-A request's life: body read (bounded) -> JSON -> fields checked (openai_schema) -> generate ->
-one JSON reply, or server-sent events ending with `data: [DONE]`. Streams wait for the first
-token before sending their headers, so that everything which fails before it (bad input, a full
-queue, no backend) gets its own HTTP status. A client that disconnects cancels the request's
+A request's life: headers and body read (each bounded in size and in time) -> JSON -> fields
+checked (openai_schema) -> generate -> one JSON reply, or server-sent events ending with
+`data: [DONE]`. Streams wait for the first token before sending their headers, so that everything
+which fails before it (bad input, a full queue, no backend) gets its own HTTP status. A client that disconnects cancels the request's
 task, and with it the decode and prefill calls, so its KV blocks are freed at once.
 """
 
+import asyncio
 import contextlib
+import functools
 import json
 import logging
+import sys
 import time
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
+import traceback
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve import metrics
+from pdserve.core.shown import shown
 from pdserve.models.loading import ServedModel
-from pdserve.core.request import GenerateSpec
+from pdserve.core.request import GenerateSpec, validate
 from pdserve.rpc.tls import Tls, check_plaintext_allowed
 from pdserve.settings import CommonSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.services.router import openai_format as fmt
-from pdserve.rpc.errors import http_status, status_of
+from pdserve.rpc.errors import RateLimitedLog, http_status, status_of
 from pdserve.services.router.clients import ApiKeys
+from pdserve.services.router.http_body import client_values, parsed_body
 from pdserve.services.router.openai_schema import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -57,20 +65,52 @@ class Backend(Protocol):
         """The request's responses; raises what pdserve.rpc.errors maps to a status."""
         ...
 
+    async def prompt_logprobs(
+        self, make_spec: Callable[[], GenerateSpec], top: int, client: str
+    ) -> list[pb.TokenLogprob]:
+        """The prompt's own logprobs, one per token after the first (OpenAI's echo)."""
+        ...
+
 
 log = logging.getLogger(__name__)
 
 CLIENT = web.RequestKey("client", str)  # who sent it (services/router/clients.py), set by _auth
 RETRY_AFTER_SECONDS = 1  # told to a client refused as overloaded (429)
 STOP_SECONDS = 1.0  # after the router's drain: how long open HTTP connections get to close
+# A client can trigger a bug at will, so its traceback is logged at most once per interval.
+BUG_LOG = RateLimitedLog(interval=10.0)
+# Requests that aiohttp's parser refuses (a malformed header line): one line per interval, which
+# never quotes the request (see _ParserLog).
+REFUSED_LOG = RateLimitedLog(interval=10.0)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a client may take to send a request, so that one that trickles its bytes (slow
+    loris) cannot hold connections open. aiohttp's own default waits an hour for headers, and for
+    a body forever."""
+
+    # The whole request line and headers, counted from the moment the connection opens or its
+    # last response ends; an idle keep-alive connection is closed after as long. It is longer
+    # than the idle time of common clients' pools (httpx 5 s, aiohttp 15 s), so that they, not
+    # the server, close idle connections, and a reused one is not closed under a request.
+    headers: float = 20.0
+    # The whole body, once the headers are in: MAX_BODY_BYTES (4 MiB) at 70 KB/s. Past it: 408.
+    body: float = 60.0
+    # After a reply that left the body unread (413, 408): how long aiohttp reads and discards the
+    # rest, so that the client sees the reply rather than a reset. aiohttp's default.
+    linger: float = 10.0
+
+
 class HttpApi:
-    def __init__(self, router: Backend, served: ServedModel, api_key: str) -> None:
+    def __init__(
+        self, router: Backend, served: ServedModel, api_key: str, deadlines: Deadlines = Deadlines()
+    ) -> None:
         self.router, self.served = router, served
         self._keys = ApiKeys(api_key)
         self._started = int(time.time())
+        self.deadlines = deadlines
 
     def app(self) -> web.Application:
         # client_max_size bounds every body; a larger one is answered 413 before it is read.
@@ -82,6 +122,21 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         return app
+
+    def runner(self) -> web.AppRunner:
+        """The app with its connection options; the caller sets it up and adds a site."""
+        # handler_cancellation: a client that disconnects cancels its handler (and so its
+        # request); no access log: requests are counted in metrics, and a log line per token
+        # stream is noise. keepalive_timeout is also the deadline for a request's headers.
+        return web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=STOP_SECONDS,
+            keepalive_timeout=self.deadlines.headers,
+            lingering_time=self.deadlines.linger,
+            logger=_ParserLog(logging.getLogger("aiohttp.server"), {}),
+        )
 
     # --- endpoints ---
 
@@ -98,23 +153,60 @@ class HttpApi:
         return web.json_response(fmt.models(self.served.name, max_context, self._started, root))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, parse_chat(await _body(request), self.served.name))
+        parse = functools.partial(parse_chat, model_name=self.served.name)
+        return await self._complete(request, await parsed_body(request, self.deadlines.body, parse))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_completion(await _body(request), self.served.name)
-        return await self._complete(request, parsed)
+        parse = functools.partial(parse_completion, model_name=self.served.name)
+        return await self._complete(request, await parsed_body(request, self.deadlines.body, parse))
 
     async def _complete(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
-        reply = fmt.Reply(parsed.kind, parsed.request_id, self.served.name)
-        tokenizer, max_context = self.served.tokenizer, self.served.config.max_context
-        # No client deadline over HTTP: --request-timeout-seconds bounds the request.
-        responses = self.router.generate(
-            lambda: parsed.spec(tokenizer, max_context), None, request[CLIENT]
+        reply = fmt.Reply(
+            parsed.kind, parsed.request_id, self.served.name, self.served.tokenizer.token_bytes
         )
+        tokenizer, max_context = self.served.tokenizer, self.served.config.max_context
+
+        def make_spec() -> GenerateSpec:
+            with client_values():  # tokenizing may meet what parsing let through
+                return parsed.spec(tokenizer, max_context)
+
+        if parsed.echo:
+            spec = await asyncio.to_thread(make_spec)  # tokenizing: off the event loop
+            return await self._echoed(parsed, reply, spec, request[CLIENT])
+        # No client deadline over HTTP: --request-timeout-seconds bounds the request.
+        responses = self.router.generate(make_spec, None, request[CLIENT])
         async with contextlib.aclosing(responses):
             if parsed.stream:
                 return await _stream(request, reply, responses, parsed.include_usage)
             return await _whole(reply, responses)
+
+    async def _echoed(
+        self, parsed: OpenAIRequest, reply: fmt.Reply, spec: GenerateSpec, client: str
+    ) -> web.Response:
+        """A completion that starts with its prompt: the prompt's own logprobs when asked for
+        (scored by a prefill), then what was generated, if max_tokens asked for any."""
+        validate(spec, self.served.config)  # before anything runs, even when nothing is asked
+        scored = None
+        if spec.sampling.logprobs:
+            top = spec.sampling.top_logprobs
+            scored = await self.router.prompt_logprobs(lambda: spec, top, client)
+        if parsed.generates:
+            responses = self.router.generate(lambda: spec, None, client)
+            async with contextlib.aclosing(responses):
+                text, last, logprobs = await _collected(responses)
+        else:
+            text, logprobs = "", []
+            last = pb.GenerateResponse(
+                finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=spec.prompt_len)
+            )
+        echo = fmt.Echo(self._prompt_text(parsed, spec), spec.prompt_token_ids, scored)
+        return web.json_response(reply.echoed(echo, text, last, logprobs), dumps=_dumps)
+
+    def _prompt_text(self, parsed: OpenAIRequest, spec: GenerateSpec) -> str:
+        if isinstance(parsed.prompt, str):
+            return parsed.prompt
+        spelled = b"".join(map(self.served.tokenizer.token_bytes, spec.prompt_token_ids))
+        return spelled.decode(errors="replace")
 
     # --- middlewares ---
 
@@ -153,6 +245,28 @@ class HttpApi:
         return await handler(request)
 
 
+class _ParserLog(logging.LoggerAdapter):
+    """aiohttp's server log, minus the request's bytes. A request its parser refuses (a header
+    with a control character, say) is logged by aiohttp with the offending line quoted, and that
+    line may be `Authorization: Bearer <key>`: the docs promise that no key is ever logged. Such
+    a refusal is logged as one line that names only its kind; everything else passes through."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if exc is True:
+            exc = sys.exc_info()[1]
+        elif isinstance(exc, tuple):  # (type, value, traceback), as logging also takes it
+            exc = exc[1]
+        if isinstance(exc, HttpProcessingError):
+            args = ("HTTP API: refused a malformed request (%s, %d)", type(exc).__name__, exc.code)
+            if level < logging.WARNING:  # aiohttp's choice: non-HTTP bytes on the port are noise
+                log.debug(*args)
+            else:
+                REFUSED_LOG.warning(*args)
+            return
+        super().log(level, msg, *args, **kwargs)
+
+
 async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The handler's response, or the error response its exception stands for."""
     try:
@@ -163,25 +277,33 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
     except BadRequest as exc:
         return _error_response(400, fmt.error(str(exc), "invalid_request_error", exc.param))
-    except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413
+    except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413; ours: 408, 415
         if exc.status < 400:
             raise
         message = exc.text if exc.status != 413 else f"the body is over {MAX_BODY_BYTES} bytes"
         return _error_response(
             exc.status, fmt.error(message or exc.reason, "invalid_request_error")
         )
+    except ConnectionError:  # the client left: there is no one to answer
+        raise
     except Exception as exc:  # a domain failure has a status; anything else is a bug
-        status, body = _domain_error(exc)
+        status, body = _domain_error(exc, request)
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else {}
         return _error_response(status, body, headers)
 
 
-def _domain_error(exc: Exception) -> tuple[int, dict]:
-    """The HTTP status and OpenAI error body of a failure the error table knows; re-raises
-    anything else (a bug)."""
+def _domain_error(exc: Exception, request: web.Request) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body of a failure. One the error table does not know is
+    a bug: 500, its traceback in the log (at most once per interval), nothing of it in the reply."""
     code = status_of(exc)
     if code is None:
-        raise exc
+        BUG_LOG.warning(
+            "HTTP API: %s %s failed, a bug: %s",
+            request.method,
+            shown(request.path),
+            "".join(traceback.format_exception(exc)),
+        )
+        return 500, fmt.error("internal error; the server's log has the details", "internal_error")
     status, kind = http_status(code)
     return status, fmt.error(str(exc), kind, code=code.name)
 
@@ -190,26 +312,19 @@ def _error_response(status: int, body: dict, headers: dict | None = None) -> web
     return web.json_response(body, status=status, headers=headers)
 
 
-async def _body(request: web.Request) -> object:
-    """The body as JSON: application/json, not empty, at most MAX_BODY_BYTES (413 beyond)."""
-    if request.content_type != "application/json":
-        raise web.HTTPUnsupportedMediaType(
-            text=f"Content-Type must be application/json, got {request.content_type!r}"
-        )
-    raw = await request.read()
-    if not raw.strip():
-        raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except ValueError as exc:  # also bytes that are not UTF-8
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-
-
 async def _whole(reply: fmt.Reply, responses: AsyncIterator[pb.GenerateResponse]) -> web.Response:
-    text, last = [], pb.GenerateResponse()
+    return web.json_response(reply.whole(*await _collected(responses)), dumps=_dumps)
+
+
+async def _collected(
+    responses: AsyncIterator[pb.GenerateResponse],
+) -> tuple[str, pb.GenerateResponse, list[pb.TokenLogprob]]:
+    """The whole reply: its text, its last response (finish reason, usage) and its logprobs."""
+    text, logprobs, last = [], [], pb.GenerateResponse()
     async for last in responses:
         text.append(last.text)
-    return web.json_response(reply.whole("".join(text), last), dumps=_dumps)
+        logprobs.extend(last.logprobs)
+    return "".join(text), last, logprobs
 
 
 async def _stream(
@@ -225,8 +340,10 @@ async def _stream(
     await stream.prepare(request)
     try:
         await _events(stream, reply, first, responses, include_usage)
+    except ConnectionError:  # the client left: no one to tell
+        raise
     except Exception as exc:  # after the headers: the failure becomes the last event
-        await _send(stream, _domain_error(exc)[1])
+        await _send(stream, _domain_error(exc, request)[1])
         return stream
     await stream.write(b"data: [DONE]\n\n")
     return stream
@@ -244,7 +361,8 @@ async def _events(
     sent = 0
     while response is not None:
         if response.token_ids or response.text:
-            await _send(stream, reply.token_chunk(response.text, first=sent == 0))
+            chunk = reply.token_chunk(response.text, sent == 0, response.logprobs)
+            await _send(stream, chunk)
             sent += 1
         if response.finish_reason:
             await _send(stream, reply.finish_chunk(response))
@@ -267,12 +385,7 @@ async def start(
     router: Backend, served: ServedModel, common: CommonSettings, http_port: int, api_key: str
 ) -> web.AppRunner:
     """Serves the API on --host:--http-port; the caller stops it with `runner.cleanup()`."""
-    api = HttpApi(router, served, api_key)
-    # handler_cancellation: a client that disconnects cancels its handler (and so its request);
-    # no access log: requests are counted in metrics, and a log line per token stream is noise.
-    runner = web.AppRunner(
-        api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_SECONDS
-    )
+    runner = HttpApi(router, served, api_key).runner()
     # HTTPS with the router's own certificate when it has one; plaintext only where gRPC
     # plaintext would be allowed too (loopback, or --insecure).
     tls = Tls.load(common.tls_cert, common.tls_key, common.tls_ca)

@@ -6,9 +6,13 @@ the finish reason and usage, then, when the client asked for `stream_options.inc
 OpenAI's usage chunk with no choices.
 """
 
+import ast
+import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+from pdserve.core.shown import shown
 from pdserve.v1 import pdserve_pb2 as pb
 
 # OpenAI has two finish reasons for what pdserve tells apart: the model's end-of-sequence token
@@ -18,6 +22,16 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_EOS: "stop",
 }
+# An error message may quote what the client sent (a 2 MB model name, a field name): each string
+# it quotes is cut as gRPC's details cut them (pdserve.core.shown), then the whole message
+# to MESSAGE_CHARS, so that no reply echoes a client's megabytes back.
+MESSAGE_CHARS = 512
+PARAM_CHARS = 64  # of `param`, which names the field: an unknown field's name is the client's
+# A Python string literal, as the messages quote values with !r: '...' or "...", escapes inside.
+_QUOTED = re.compile(r"""'[^'\\\n]*(?:\\.[^'\\\n]*)*'|"[^"\\\n]*(?:\\.[^"\\\n]*)*\"""")
+# What vLLM reports for a log-probability of -infinity (a token that could not be drawn), which
+# JSON cannot carry.
+IMPOSSIBLE_LOGPROB = -9999.0
 OBJECTS = {
     "chat": ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
     "completion": ("text_completion", "text_completion", "cmpl-"),
@@ -33,7 +47,29 @@ def usage(u: pb.Usage) -> dict:
 
 
 def error(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error body, with whatever of the client's it quotes cut short."""
+    if param is not None and len(param) > PARAM_CHARS:
+        param = param[:PARAM_CHARS] + "..."
+    return {"error": {"message": _public(message), "type": kind, "param": param, "code": code}}
+
+
+def _public(message: str) -> str:
+    """The message with each long string it quotes cut (shown), then at most MESSAGE_CHARS."""
+    if len(message) <= MESSAGE_CHARS:  # short messages as written: nothing to cut
+        return message
+    message = _QUOTED.sub(_cut_quoted, message)
+    if len(message) > MESSAGE_CHARS:  # a long value quoted otherwise: a list, a dict
+        message = f"{message[:MESSAGE_CHARS]}... ({len(message)} characters)"
+    return message
+
+
+def _cut_quoted(match: re.Match) -> str:
+    quoted = match.group()
+    try:  # only a literal is evaluated; a quote that is not one (prose) stays as it is
+        value = ast.literal_eval(quoted)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return quoted
+    return shown(value) if isinstance(value, str) else quoted
 
 
 def models(name: str, max_context: int, created: int, root: str) -> dict:
@@ -58,6 +94,16 @@ def models(name: str, max_context: int, created: int, root: str) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, repeated at the start of its reply (OpenAI's echo)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    # Each prompt token's after the first, when the request asked for logprobs.
+    scored: Sequence[pb.TokenLogprob] | None = None
+
+
 @dataclass
 class Reply:
     """One request's reply, in OpenAI's shape for its endpoint ("chat" or "completion")."""
@@ -65,33 +111,65 @@ class Reply:
     kind: str
     request_id: str
     model: str
+    # The bytes each token stands for (the tokenizer's token_bytes), for logprobs.
+    token_bytes: Callable[[int], bytes] = field(default=lambda token: b"", repr=False)
     created: int = 0
+    _offset: int = 0  # characters of completion text whose logprobs were sent (text_offset)
 
     def __post_init__(self) -> None:
         self.created = self.created or int(time.time())
 
-    def whole(self, text: str, last: pb.GenerateResponse) -> dict:
+    def whole(
+        self, text: str, last: pb.GenerateResponse, logprobs: Sequence[pb.TokenLogprob] = ()
+    ) -> dict:
         """The non-streaming body: all the text, the finish reason and usage."""
         choice = {"index": 0, "finish_reason": FINISH_REASONS[last.finish_reason]}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return self._envelope(OBJECTS[self.kind][0], [choice | {"logprobs": None}], last.usage)
+        choice["logprobs"] = self._logprobs(logprobs)
+        return self._envelope(OBJECTS[self.kind][0], [choice], last.usage)
 
-    def token_chunk(self, text: str, first: bool) -> dict:
+    def echoed(
+        self, echo: Echo, text: str, last: pb.GenerateResponse, logprobs: Sequence[pb.TokenLogprob]
+    ) -> dict:
+        """A non-streaming completion that starts with its prompt; its logprobs, when asked
+        for, start with the prompt's, the first token's null (it follows nothing)."""
+        body = self.whole(echo.text + text, last)
+        if echo.scored is not None:
+            body["choices"][0]["logprobs"] = self._echo_logprobs(echo, logprobs)
+        return body
+
+    def _echo_logprobs(self, echo: Echo, logprobs: Sequence[pb.TokenLogprob]) -> dict:
+        head = self._text_of(echo.token_ids[0])
+        self._offset = len(head)
+        rest = self._logprobs([*(echo.scored or ()), *logprobs]) or {
+            key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
+        return {
+            "tokens": [head, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
+        }
+
+    def token_chunk(self, text: str, first: bool, logprobs: Sequence[pb.TokenLogprob] = ()) -> dict:
         """A stream chunk with one token's text; a chat's first also says who speaks."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return self._chunk({"index": 0, "delta": delta, "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": None})
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text}
+        logprobs_part = {"logprobs": self._logprobs(logprobs)}
+        return self._chunk(choice | logprobs_part | {"finish_reason": None})
 
     def finish_chunk(self, last: pb.GenerateResponse) -> dict:
         """The stream's last choice chunk: the finish reason, and usage (which every pdserve
         response carries; OpenAI's own usage chunk follows when include_usage asks for it)."""
         reason = FINISH_REASONS[last.finish_reason]
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {}, "finish_reason": reason}
+            choice = {"index": 0, "delta": {}, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
         return self._envelope(OBJECTS[self.kind][1], [choice], last.usage)
@@ -99,6 +177,46 @@ class Reply:
     def usage_chunk(self, last: pb.GenerateResponse) -> dict:
         """OpenAI's stream_options.include_usage chunk: no choices, only usage."""
         return self._envelope(OBJECTS[self.kind][1], [], last.usage)
+
+    def _logprobs(self, logprobs: Sequence[pb.TokenLogprob]) -> dict | None:
+        """OpenAI's logprobs object for these tokens: a chat's `content` list, or a
+        completion's parallel lists."""
+        if not logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(lp) for lp in logprobs]}
+        tokens = [self._text_of(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [self._top_by_text(lp) for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, lp: pb.TokenLogprob) -> dict:
+        top = [self._named(t.token_id, t.logprob) for t in lp.top]
+        return self._named(lp.token_id, lp.logprob) | {"top_logprobs": top}
+
+    def _named(self, token: int, logprob: float) -> dict:
+        raw = self.token_bytes(token)
+        return {
+            "token": raw.decode(errors="replace"),
+            "logprob": _finite(logprob),
+            "bytes": list(raw),
+        }
+
+    def _top_by_text(self, lp: pb.TokenLogprob) -> dict[str, float]:
+        """The most likely tokens by text, and the sampled one, which OpenAI always includes."""
+        top = {self._text_of(t.token_id): _finite(t.logprob) for t in lp.top}
+        top.setdefault(self._text_of(lp.token_id), _finite(lp.logprob))
+        return top
+
+    def _text_of(self, token: int) -> str:
+        return self.token_bytes(token).decode(errors="replace")
 
     def _chunk(self, choice: dict) -> dict:
         return self._envelope(OBJECTS[self.kind][1], [choice], None)
@@ -112,3 +230,7 @@ class Reply:
             "choices": choices,
             "usage": usage(u) if u is not None else None,
         }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > float("-inf") else IMPOSSIBLE_LOGPROB

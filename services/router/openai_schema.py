@@ -2,7 +2,7 @@
 
 Only the fields pdserve honours are accepted; any other is refused by name rather than ignored,
 since a client that sends `tools` expects something pdserve would not do. Fields it does not
-implement yet (`logprobs`, `echo`, ...) are accepted at their neutral value, which is what
+implement (`best_of`, a chat's `echo`) are accepted at their neutral value, which is what
 clients send when they mean "off"; null means unset for every field, as in OpenAI's API. The
 rules on values that the gRPC path shares (max_tokens >= 1, temperature >= 0, prompt plus
 max_tokens within the context, ...) are pdserve.core.request.validate's; this module checks the
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.core.request import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
     GenerateSpec,
     InvalidRequest,
     SamplingSpec,
@@ -53,12 +54,9 @@ SAMPLING_FIELDS = {
 }
 # Fields pdserve does not implement yet, accepted at the value that means "off" (what clients such
 # as vLLM's benchmark send by default), or null; any other value is refused by name.
-NEUTRAL_VALUES: dict[str, object] = {
-    "best_of": 1,
-    "top_logprobs": 0,
-    "logprobs": False,
-    "echo": False,
-}
+NEUTRAL_VALUES: dict[str, object] = {"best_of": 1}
+# vLLM's chat `echo` (repeat the last message) is not served; a completion's echo is.
+CHAT_NEUTRAL_VALUES = NEUTRAL_VALUES | {"echo": False}
 # Fields that only label a request: accepted, logged at debug, no effect.
 LABEL_FIELDS = {"user", "metadata"}
 COMMON_FIELDS = (
@@ -67,8 +65,15 @@ COMMON_FIELDS = (
     | set(NEUTRAL_VALUES)
     | LABEL_FIELDS
 )
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+# A chat asks with `logprobs: true` and `top_logprobs: n`; a completion with `logprobs: n`.
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "top_logprobs", "echo"}
 
 
 class BadRequest(InvalidRequest):
@@ -94,12 +99,19 @@ class OpenAIRequest:
     sampling: dict = field(default_factory=dict)  # SamplingSpec fields the client gave
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # a completion's: the reply starts with the prompt
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
+    @property
+    def generates(self) -> bool:
+        """False for an echo of max_tokens 0: the prompt (and its logprobs) is all it asks."""
+        return self.max_tokens != 0 or not self.echo
+
     def spec(self, tokenizer: Tokenizer, max_context: int) -> GenerateSpec:
-        """Tokenized (chat messages through the model's chat template); not yet validated."""
+        """Tokenized (chat messages through the model's chat template); not yet validated. An
+        echo of max_tokens 0 is checked as if it asked for one token: its prompt must fit."""
         tokens = self._tokens(tokenizer)
-        max_tokens = self.max_tokens
+        max_tokens = self.max_tokens if self.generates else 1
         if max_tokens is None:  # at least 1, so that a full context is refused as too long
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_context - len(tokens)))
         sampling = SamplingSpec(max_tokens=max_tokens, **self.sampling)
@@ -115,27 +127,58 @@ class OpenAIRequest:
 
 def parse_chat(body: object, model_name: str) -> OpenAIRequest:
     """POST /v1/chat/completions. Raises BadRequest naming the first field that is wrong."""
-    fields = _object(body, CHAT_FIELDS, model_name)
+    fields = _object(body, CHAT_FIELDS, model_name, CHAT_NEUTRAL_VALUES)
+    common = _common(fields)
+    common["sampling"] |= _chat_logprobs(fields)
     return OpenAIRequest(
         "chat",
         messages=_messages(fields.get("messages")),
         max_tokens=_max_tokens(fields, "max_completion_tokens", "max_tokens"),
-        **_common(fields),
+        **common,
     )
 
 
 def parse_completion(body: object, model_name: str) -> OpenAIRequest:
     """POST /v1/completions. Raises BadRequest naming the first field that is wrong."""
-    fields = _object(body, COMPLETION_FIELDS, model_name)
+    fields = _object(body, COMPLETION_FIELDS, model_name, NEUTRAL_VALUES)
+    common = _common(fields)
+    common["echo"] = _echo(fields, common["stream"])
+    if "top_logprobs" in fields and not (
+        _is_int(fields["top_logprobs"]) and fields["top_logprobs"] == 0
+    ):
+        raise BadRequest(
+            "top_logprobs is a chat field (0 or null here): a completion asks for the n most "
+            "likely tokens with logprobs: n",
+            "top_logprobs",
+        )
+    top = _integer(fields, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None:
+        common["sampling"] |= {"logprobs": True, "top_logprobs": top}
     return OpenAIRequest(
         "completion",
         prompt=_prompt(fields.get("prompt")),
         max_tokens=_max_tokens(fields, "max_tokens"),
-        **_common(fields),
+        **common,
     )
 
 
-def _object(body: object, allowed: set[str], model_name: str) -> dict:
+def _echo(fields: dict, stream: bool) -> bool:
+    echo = _boolean(fields, "echo") or False
+    if echo and stream:
+        raise BadRequest("echo is served without streaming; send stream: false", "echo")
+    return echo
+
+
+def _chat_logprobs(fields: dict) -> dict:
+    """SamplingSpec fields of a chat's `logprobs` (a flag) and `top_logprobs` (how many)."""
+    wanted = _boolean(fields, "logprobs") or False
+    top = _integer(fields, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return {"logprobs": True, "top_logprobs": top or 0} if wanted else {}
+
+
+def _object(body: object, allowed: set[str], model_name: str, neutral: dict[str, object]) -> dict:
     """The body's fields, none unknown; null counts as absent, as in OpenAI's API."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -146,8 +189,8 @@ def _object(body: object, allowed: set[str], model_name: str) -> dict:
                 name,
             )
     fields = {k: v for k, v in body.items() if v is not None}
-    for name in fields.keys() & NEUTRAL_VALUES.keys():
-        _neutral(name, fields[name])
+    for name in fields.keys() & neutral.keys():
+        _neutral(name, fields[name], neutral[name])
     labels = {name: fields[name] for name in fields.keys() & LABEL_FIELDS}
     if labels:
         log.debug("request labels: %s", labels)
@@ -159,9 +202,8 @@ def _object(body: object, allowed: set[str], model_name: str) -> dict:
     return fields
 
 
-def _neutral(name: str, value: object) -> None:
+def _neutral(name: str, value: object, neutral: object) -> None:
     """Refuses a value of a field pdserve does not implement, unless it means "off"."""
-    neutral = NEUTRAL_VALUES[name]
     # bool is an int in Python, and True == 1: a flag and a number must not stand for each other.
     same_kind = isinstance(value, bool) == isinstance(neutral, bool)
     if not (same_kind and value == neutral):

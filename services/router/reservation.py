@@ -1,13 +1,19 @@
-"""Getting room on a decode instance: a lease, or a bounded, first-come-first-served wait.
+"""Getting room on a decode instance: a lease, or a bounded wait in line, shared fairly between
+clients.
 
-While no decode instance has room, requests wait in line; only the head of the line polls decode
-(with backoff), so a full pool is not hammered by every waiting request, and no request is
-overtaken by a later one.
+While no decode instance has room, requests wait in line, one line per client (its API key, else
+its address: services/router/clients.py), each first come first served. Only one request polls
+decode (with backoff), so a full pool is not hammered by every waiting request: the head of the
+line of the client served least recently. So clients take turns at the room that frees (round
+robin), and a client with a burst queued cannot make another wait behind all of it; and each
+client may have only its share of the queue waiting (--max-queue-share-per-client), so none
+can fill it.
 """
 
 import asyncio
 import logging
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +33,9 @@ log = logging.getLogger(__name__)
 FIRST_BACKOFF_SECONDS = 0.005
 MAX_BACKOFF_SECONDS = 0.1
 RESERVE_TIMEOUT_SECONDS = 5.0  # a healthy decode answers a reservation in about a millisecond
+# Clients whose last reservation is remembered, for whose turn it is; one forgotten counts as
+# served long ago, which it was.
+CLIENTS_REMEMBERED = 1024
 
 
 class _Unreachable(Exception):
@@ -42,6 +51,7 @@ class Inflight:
     deadline: float  # time.monotonic(): the client's, capped by --request-timeout-seconds
     prefix_keys: list[bytes] = field(default_factory=list)  # for --routing-policy prefix-aware
     trace: RequestTrace | None = None  # with --otlp-endpoint (pdserve/tracing.py)
+    client: str = ""  # who sent it (services/router/clients.py): its line while it waits
 
     def remaining(self) -> float:
         """The timeout for an outbound call: every call ends by the request's deadline."""
@@ -63,47 +73,91 @@ class ReservationLine:
         self, decodes: BackendSet[pb_grpc.DecodeServiceStub], settings: RouterSettings
     ) -> None:
         self._decodes, self._settings = decodes, settings
-        self.queued = 0  # requests waiting in line for decode room
-        self._head_of_line = asyncio.Lock()  # FIFO: the waiting request allowed to poll
+        self.queued = 0  # requests waiting in line for decode room, every client's
+        self._lines: dict[str, deque[asyncio.Event]] = {}  # per client, oldest first
+        self._poller: asyncio.Event | None = None  # the one waiting request that polls
+        self._served = 0  # reservations made, counted: when each client last got one
+        self._last_served: OrderedDict[str, int] = OrderedDict()
 
     async def reserve(
         self, inflight: Inflight, avoid: set[str], prefill_here: bool = False
     ) -> Reservation:
         """A lease from the first decode instance with room (with `prefill_here`, room for the
-        decode instance to prefill the prompt itself, and a LeaseGranted with no lease id). While none has room, requests wait
-        in line, first come first served, bounded in number and time; only the head of the
-        line polls decode, so a full pool is not hammered by every waiting request. When no
+        decode instance to prefill the prompt itself, and a LeaseGranted with no lease id). While
+        none has room, requests wait in their client's line, bounded in number (in all, and per
+        client) and time; clients take turns at the room (see the module's docstring). When no
         decode instance can be reached at all there is nothing to wait for: UNAVAILABLE."""
+        client = inflight.client
         if self.queued == 0:
             reservation = await self._try_all(inflight, avoid, prefill_here)
             if reservation is not None:
+                self._served_now(client)
                 return reservation
         if self.queued >= self._settings.max_queue:
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"router queue is full ({self._settings.max_queue} waiting)",
             )
+        line = self._lines.setdefault(client, deque())
+        if len(line) >= self._settings.max_queue_per_client:
+            raise RouterError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {client!r} has {len(line)} requests waiting for decode room, the most "
+                f"one client may have (--max-queue-share-per-client "
+                f"{self._settings.max_queue_share_per_client:g} of --max-queue "
+                f"{self._settings.max_queue})",
+            )
         give_up = min(time.monotonic() + self._settings.queue_timeout_seconds, inflight.deadline)
+        me = asyncio.Event()
+        line.append(me)
         self.queued += 1
+        self._choose_poller()
         try:
-            try:
-                await asyncio.wait_for(
-                    self._head_of_line.acquire(), max(give_up - time.monotonic(), 0.0)
-                )
-            except asyncio.TimeoutError:
-                raise self._no_room(inflight, give_up) from None
-            try:
-                return await self._poll_until_room(inflight, avoid, give_up, prefill_here)
-            finally:
-                self._head_of_line.release()
+            reservation = await self._wait_and_poll(me, inflight, avoid, give_up, prefill_here)
+            self._served_now(client)
+            return reservation
         finally:
+            line.remove(me)
+            if not line:
+                del self._lines[client]
             self.queued -= 1
+            self._choose_poller()
 
-    async def _poll_until_room(
-        self, inflight: Inflight, avoid: set[str], give_up: float, prefill_here: bool
+    def _choose_poller(self) -> None:
+        """Wakes the request that polls next: the head of the line of the client served least
+        recently (a client never served, or not for long, first; ties: the older line)."""
+        if not self._lines:
+            self._poller = None
+            return
+        client = min(self._lines, key=lambda c: self._last_served.get(c, -1))
+        self._poller = self._lines[client][0]
+        self._poller.set()
+
+    def _served_now(self, client: str) -> None:
+        self._served += 1
+        self._last_served[client] = self._served
+        self._last_served.move_to_end(client)
+        if len(self._last_served) > CLIENTS_REMEMBERED:
+            self._last_served.popitem(last=False)
+
+    async def _wait_and_poll(
+        self,
+        me: asyncio.Event,
+        inflight: Inflight,
+        avoid: set[str],
+        give_up: float,
+        prefill_here: bool,
     ) -> Reservation:
+        """Waits while another request polls; polls, with backoff, while this one is the poller."""
         backoff = FIRST_BACKOFF_SECONDS
         while True:
+            if self._poller is not me:
+                me.clear()
+                try:
+                    await asyncio.wait_for(me.wait(), max(give_up - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    raise self._no_room(inflight, give_up) from None
+                continue
             reservation = await self._try_all(inflight, avoid, prefill_here)
             if reservation is not None:
                 return reservation

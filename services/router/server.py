@@ -36,9 +36,16 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router import http_api
 from pdserve.services.router.attempt import Attempts
 from pdserve.services.router.backends import BackendSet
-from pdserve.services.router.clients import ApiKeys, ClientLimits, grpc_peer_host
+from pdserve.services.router.clients import (
+    ApiKeys,
+    CacheSalts,
+    ClientLimits,
+    grpc_peer_host,
+    load_salt_secret,
+)
 from pdserve.services.router.local_prefill import LocalPrefill
 from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.services.router.scoring import score_prompt
 from pdserve.services.router.errors import (
     HandoffFailed,
     RouterError,
@@ -81,6 +88,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.admission = Admission()
         self.line = ReservationLine(self.decodes, settings)
         self.api_keys = ApiKeys(settings.api_key)
+        self.salts = CacheSalts(self.api_keys, load_salt_secret(settings.prefix_cache_secret_file))
         self.local_prefill = LocalPrefill(settings.local_prefill_tokens)
         self.clients = ClientLimits(
             settings.max_streams_per_client, settings.max_tokens_per_second_per_client
@@ -91,7 +99,9 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         responses = self.generate(
-            lambda: convert.spec_from_generate(request, self.served.tokenizer),
+            lambda: convert.spec_from_generate(
+                request, self.served.tokenizer, self.config.max_context
+            ),
             context.time_remaining(),
             self._client_of(context),
         )
@@ -133,7 +143,12 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         with self.admission.track():
             inflight, code = None, "OK"
             try:
-                inflight = self._inflight(make_spec, time_remaining, self._cache_salt(client))
+                # Tokenizing and checking a long prompt takes a while: not on the event loop,
+                # which serves every other request meanwhile.
+                inflight = await asyncio.to_thread(
+                    self._inflight, make_spec, time_remaining, self._cache_salt(client)
+                )
+                inflight.client = client  # its line in the reservation queue
                 with self.clients.admitted(client, inflight.spec.prompt_len) as spend:
                     async for response in self._with_retries(inflight):
                         spend(len(response.token_ids))
@@ -148,13 +163,40 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 if inflight is not None and inflight.trace is not None:
                     inflight.trace.end(time.perf_counter(), code=code)
 
+    async def prompt_logprobs(
+        self, make_spec: Callable[[], GenerateSpec], top: int, client: str
+    ) -> list[pb.TokenLogprob]:
+        """The prompt's own log-probabilities (OpenAI's echo), from a prefill instance: one per
+        token after the first. Admitted, validated and counted as a request. Raises RouterError."""
+        if self.admission.draining:
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE, "this instance is draining and takes no new requests"
+            )
+        with self.admission.track():
+            try:
+                inflight = await asyncio.to_thread(self._inflight, make_spec, None, b"")
+                with self.clients.admitted(client, inflight.spec.prompt_len):
+                    scored = await score_prompt(
+                        self.prefills,
+                        self.served.fingerprint,
+                        inflight.spec,
+                        top,
+                        self.settings.request_timeout_seconds,
+                    )
+            except RouterError as exc:
+                metrics.record_request("router", exc.code.name)
+                raise RouterError(exc.code, public_message(str(exc))) from None
+            took = time.perf_counter() - inflight.received
+            metrics.record_request("router", "OK", took, took, 0, inflight.spec.prompt_len)
+            return scored
+
     def _cache_salt(self, client: str) -> bytes:
         """With --prefix-cache-scope client, the client's own salt (from its API key, else its
         address), so that its prompts find only its own cached prefixes; else none, and every
         client's are shared."""
         if self.settings.prefix_cache_scope == "shared":
             return b""
-        return self.api_keys.cache_salt(client)
+        return self.salts.of(client)
 
     def _inflight(
         self, make_spec: Callable[[], GenerateSpec], time_remaining: float | None, salt: bytes
@@ -232,7 +274,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             spec, prompt_token_ids=spec.prompt_token_ids + tuple(sent), sampling=sampling
         )
         return self._routed(
-            Inflight(rest, original.received, original.deadline, trace=original.trace)
+            Inflight(
+                rest,
+                original.received,
+                original.deadline,
+                trace=original.trace,
+                client=original.client,
+            )
         )
 
     async def _attempts(
@@ -293,6 +341,7 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
     reflection.enable(server.grpc, "RouterService", "ModelInfoService")
     metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
+    metrics.watch_load("router", lambda: servicer.decodes.load(waiting=servicer.line.queued))
     refresher = asyncio.create_task(servicer.refresh_forever(server))
     http = None
     if settings.http_port:
