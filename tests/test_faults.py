@@ -270,6 +270,13 @@ def test_a_retry_avoids_the_decode_that_failed_even_when_it_is_still_preferred(s
     stack = services.stack(
         services.router([prefill], [failing, good], *flags), [prefill], [failing, good]
     )
+
+    def retried() -> bool:
+        return generate(stack.router_stub(), greedy_request([9] * 40, 4))[2].metrics.attempts == 2
+
+    # Before the router's first pool reports (each second) least-loaded has no preference, and a
+    # request may go straight to the good decode: wait until the preference shows.
+    wait_until(retried, 15, "the router to put the decode with more free blocks first")
     for i in range(3):
         tokens, _, last = generate(stack.router_stub(), greedy_request([i + 1] * 40, 4))
         assert len(tokens) == 4
