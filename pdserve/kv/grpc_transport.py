@@ -12,7 +12,6 @@ at once, and ends one that is silent before its first message or outlives its le
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -41,28 +40,19 @@ class GrpcKvSink(KvSink):
     async def send(self, timeout: float | None) -> Committed:
         # The call opens only once its first chunk is ready: decode ends a PushKv that stays
         # silent past its first-frame deadline, and a prompt may wait longer for its batch.
+        # Waiting for it without taking it: the stream then holds no chunk of its own.
         deadline = None if timeout is None else time.monotonic() + timeout
-        items = self.items()
         try:
             async with asyncio.timeout(timeout):
-                first = await anext(items, None)
+                await self.started.wait()
         except TimeoutError:
             raise KvTransferFailed("DEADLINE_EXCEEDED", "KV transfer timed out") from None
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
-            reply = await self._push(_starting_with(first, items), timeout=left)
+            reply = await self._push(self.items(), timeout=left)
         except grpc.aio.AioRpcError as exc:
             raise KvTransferFailed(exc.code().name, exc.details() or "") from None
         return Committed(reply.lease_id, reply.bytes, reply.newly_committed)
-
-
-async def _starting_with(first, rest: AsyncIterator) -> AsyncIterator:
-    """`first` (None: nothing, the stream was aborted before its first chunk), then `rest`."""
-    if first is None:
-        return
-    yield first
-    async for item in rest:
-        yield item
 
 
 @dataclass(frozen=True)

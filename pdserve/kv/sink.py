@@ -68,6 +68,7 @@ class KvSink:
         self._loop = asyncio.get_running_loop()
         self._tokens_per_chunk = tokens_per_chunk(target.config, target.chunk_bytes)
         self._queue: asyncio.Queue = asyncio.Queue()
+        self.started = asyncio.Event()  # set once anything is queued: a layer, commit or abort
         self._crcs: list[int] = []
         self._split = split_layer_int8 if target.compression == "int8" else split_layer
         self.bytes = 0  # of KV, as the model holds it
@@ -78,15 +79,19 @@ class KvSink:
     def on_layer_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """From the engine thread: queue a layer's K and V [tokens, heads, dim] for sending, of
         positions from skip_tokens to the prompt's end."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (layer, k, v))
+        self._loop.call_soon_threadsafe(self._put, (layer, k, v))
 
     def commit(self, first: Pick) -> None:
         """From the event loop, after every layer: the stream ends with the commit."""
-        self._queue.put_nowait(first)
+        self._put(first)
 
     def abort(self) -> None:
         """Ends the stream without a commit: decode voids the lease."""
-        self._queue.put_nowait(None)
+        self._put(None)
+
+    def _put(self, item: object) -> None:
+        self._queue.put_nowait(item)
+        self.started.set()
 
     async def send(self, timeout: float | None) -> Committed:
         """Runs the transfer until decode answers the commit. Implemented by each transport."""
