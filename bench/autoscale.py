@@ -7,9 +7,8 @@ current count while value / (threshold x current) is within 10 % of 1, takes the
 over the triggers, limits a scale-up to max(2x, +4) per 15 s, and a scale-down to the highest
 request of the last `SCALE_DOWN_WINDOW_SECONDS`, one pod per `SCALE_DOWN_PERIOD_SECONDS`.
 
-  prefill  queued prompt tokens: sum(pdserve_queue_depth{service="prefill"}) x the mean prompt
-           tokens of the prompts prefilled in the last minute (pdserve exports queued requests,
-           not queued tokens), against threshold = prefill tokens/s x QUEUE_WAIT_BUDGET_SECONDS;
+  prefill  queued prompt tokens (pdserve_prefill_queued_prompt_tokens, the prompt tokens waiting
+           for a batch), against threshold = prefill tokens/s x QUEUE_WAIT_BUDGET_SECONDS;
   decode   running sequences (pdserve_running_sequences) against the sequences one instance
            decodes within ITL_GOAL_SECONDS, and KV-cache utilisation (vllm:kv_cache_usage_perc)
            against 1 - the share of the pool one instance can fill while another starts.
@@ -49,9 +48,6 @@ ITL_GOAL_SECONDS = 0.100  # a decode step, i.e. the gap between two tokens of a 
 # A prompt should wait at most this long for its prefill batch: services/prefill/server.py's
 # SLOW_QUEUE_SECONDS, past which prefill logs that it is the bottleneck.
 QUEUE_WAIT_BUDGET_SECONDS = 1.0
-# With no prompt prefilled in the last minute, the mean prompt length the query assumes: a full
-# prefill batch's 4,096 tokens over its 8 prompts (--max-prefill-tokens / --max-prefill-batch).
-FALLBACK_MEAN_PROMPT_TOKENS = 512.0
 POOL_TOKENS = 2048 * 16  # decode's default pool: --num-blocks 2048 of --block-size 16
 BLOCK_SIZE = 16
 
@@ -62,7 +58,6 @@ SCALE_UP_PERIOD_SECONDS = 15  # the HPA's default scale-up policies: max(100 %, 
 SCALE_DOWN_WINDOW_SECONDS = 60
 SCALE_DOWN_PERIOD_SECONDS = 30  # one pod per period: decode drains one at a time
 LIMITS = {"prefill": (1, 8), "decode": (1, 16)}
-RATE_WINDOW_SECONDS = 60  # the [1m] of the prefill query
 WARMUP_REQUESTS = 2
 # A request still unfinished after this long has missed its objectives anyway (160 tokens at the
 # ITL goal take 16 s); the bound keeps an overloaded replay within a few minutes.
@@ -233,19 +228,9 @@ def sample(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
-def prefill_value(now: dict, before: dict | None) -> float:
-    """The prefill trigger's query over one scrape of every prefill instance (`now`) and one
-    RATE_WINDOW_SECONDS earlier (`before`):
-    sum(queue_depth) x (rate(prompt tokens) / rate(prompts prefilled)), the fallback mean when
-    no prompt was prefilled in the window."""
-    depth = sample(now, "pdserve_queue_depth", service="prefill")
-    prompts = sample(now, "pdserve_prefill_batch_size_sum", service="prefill")
-    tokens = sample(now, "pdserve_tokens_total", service="prefill", kind="prompt")
-    if before is not None:
-        prompts -= sample(before, "pdserve_prefill_batch_size_sum", service="prefill")
-        tokens -= sample(before, "pdserve_tokens_total", service="prefill", kind="prompt")
-    mean = tokens / prompts if prompts > 0 else FALLBACK_MEAN_PROMPT_TOKENS
-    return depth * mean
+def prefill_value(now: dict) -> float:
+    """The prefill trigger's query over one scrape of every prefill instance (`now`)."""
+    return sample(now, "pdserve_prefill_queued_prompt_tokens", service="prefill")
 
 
 def decode_values(now: dict) -> dict[str, float]:
@@ -314,7 +299,6 @@ def model(
     pre: list[dict] = [{"queue": deque(), "busy": None, "left": 0.0, "ready": 0.0}]
     dec: list[dict] = [{"seqs": [], "clock": 0.0, "ready": 0.0}]
     rows: list[dict] = []
-    done_prompts: deque = deque()  # (t, tokens) of prompts prefilled, for the mean
     sc = scalers(th)
     ticks: list[dict] = []
     t, next_tick, total = 0.0, 0.0, len(requests)
@@ -339,7 +323,6 @@ def model(
                 budget -= used
                 if p["left"] <= 1e-9:
                     r = p["busy"]["req"]
-                    done_prompts.append((t, r.prompt))
                     live = [d for d in dec if d["ready"] <= t]
                     d = min(live, key=lambda d: len(d["seqs"]))
                     d["seqs"].append({"req": r, "made": 0, "first": None})
@@ -369,14 +352,9 @@ def model(
                 d["seqs"] = [s for s in d["seqs"] if s["made"] < s["req"].output]
         if t >= next_tick:
             next_tick += POLLING_INTERVAL_SECONDS
-            while done_prompts and t - done_prompts[0][0] > RATE_WINDOW_SECONDS:
-                done_prompts.popleft()
-            depth = sum(len(p["queue"]) for p in pre)
-            n = len(done_prompts)
-            mean = sum(x for _, x in done_prompts) / n if n else FALLBACK_MEAN_PROMPT_TOKENS
             ready_dec = [d for d in dec if d["ready"] <= t]
             values = {
-                "queued_prompt_tokens": depth * mean,
+                "queued_prompt_tokens": float(sum(x["prompt"] for p in pre for x in p["queue"])),
                 "running_sequences": float(sum(len(d["seqs"]) for d in ready_dec)),
                 "kv_usage": sum(
                     sum(math.ceil((s["req"].prompt + s["made"]) / BLOCK_SIZE) for s in d["seqs"])
@@ -548,7 +526,7 @@ def run_stack(requests: list[Request], th: Thresholds, args, tmp: str) -> dict:
         now = scraper.at(t)
         if now:
             values = {
-                "queued_prompt_tokens": prefill_value(now, scraper.at(t - RATE_WINDOW_SECONDS)),
+                "queued_prompt_tokens": prefill_value(now),
                 **decode_values(now),
             }
             decisions.append(
@@ -751,8 +729,7 @@ def main() -> None:
             "instance at the 1-core figures on a core of its own, closed loop with the same "
             "scaler on the model's metrics; and the same model at a fixed 1P1D, for comparison "
             "with the measured stack",
-            "machine": "shared: other sessions' tests ran on the same 2 vCPUs during the run "
-            "(see the load average)",
+            "machine": "whatever else ran on these CPUs shows in cpu.load_average_at_start",
         }
         write_results(
             args.json,

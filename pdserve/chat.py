@@ -87,15 +87,17 @@ def _request(history: list[pb.ChatMessage], args) -> pb.GenerateRequest:
 def _stream_reply(stub, request: pb.GenerateRequest, timeout: float) -> str | None:
     """Prints the reply as it streams; returns its text (as far as it got when stopped), or
     None when the request failed."""
-    call = stub.Generate(request, timeout=timeout)
     parts: list[str] = []
-    try:
+    call = None
+    try:  # from the call on: a Ctrl-C just after Enter stops the reply, it does not crash
+        call = stub.Generate(request, timeout=timeout)
         for response in call:
             parts.append(response.text)
             sys.stdout.write(printable(response.text))
             sys.stdout.flush()
     except KeyboardInterrupt:
-        call.cancel()  # the server cancels the request and frees its blocks
+        if call is not None:
+            call.cancel()  # the server cancels the request and frees its blocks
         print(" [stopped]")
         return "".join(parts)
     except grpc.RpcError as exc:

@@ -10,6 +10,8 @@ fault names the point at which it fires:
   crash_after_chunks=N   prefill: exit abruptly before sending chunk N
   decode_crash_after_chunks=N  decode: exit abruptly on receiving its N-th chunk (1-based, all leases)
   decode_crash_after_steps=N   decode: exit abruptly after its N-th decode step
+  decode_step_seconds=X  decode: sleep X seconds after every decode step (a slow model, so
+                               that a test can act while a reply still streams)
   decode_refuse_chunks_from=N  decode: refuse every KV chunk from its N-th (1-based, all leases)
                                as if it failed a check, and stay up and healthy
   prefill_engine_crash_at_step=N  prefill: the engine loop fails outside the model call at its
@@ -19,6 +21,7 @@ fault names the point at which it fires:
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -40,13 +43,14 @@ class Faults:
     crash_after_chunks: int | None = None
     decode_crash_after_chunks: int | None = None
     decode_crash_after_steps: int | None = None
+    decode_step_seconds: float = 0.0
     decode_refuse_chunks_from: int | None = None
     prefill_engine_crash_at_step: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "Faults":
         """Faults from "name=value,..."; an unknown name is an error, not silently ignored."""
-        types = {f.name: (float if f.name == "stall_seconds" else int) for f in fields(cls)}
+        types = {f.name: (float if f.type is float else int) for f in fields(cls)}
         values: dict[str, Any] = {}  # int or float by field: what cls(**values) checks
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, _, raw = item.partition("=")
@@ -92,3 +96,5 @@ class Faults:
         if count == self.decode_crash_after_steps:
             log.error("fault: decode exits after step %d", count)
             os._exit(CRASH_EXIT_CODE)
+        if self.decode_step_seconds:
+            time.sleep(self.decode_step_seconds)  # the engine thread: every stream slows

@@ -95,6 +95,12 @@ QUEUE_DEPTH = Gauge(
     "Requests waiting (router: for decode room; prefill: for a batch)",
     ["service"],
 )
+PREFILL_QUEUED_TOKENS = Gauge(
+    "pdserve_prefill_queued_prompt_tokens",
+    "Prompt tokens waiting for a prefill batch: what prefill autoscaling reads (a queue's tokens "
+    "drain at the measured prefill tokens/s)",
+    ["service"],
+)
 RUNNING = Gauge("pdserve_running_sequences", "Sequences held by the decode engine", ["service"])
 KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV blocks reserved or in use", ["service"])
 KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "KV blocks free for new reservations", ["service"])

@@ -74,14 +74,26 @@ class Stack:
 
 
 def start_stack(
-    tmp_dir: str, decode_flags=(), prefill_flags=(), router_flags=(), decodes: int = 1
+    tmp_dir: str,
+    decode_flags=(),
+    prefill_flags=(),
+    router_flags=(),
+    decodes: int = 1,
+    decode_faults: str = "",
 ) -> Stack:
     started: list[Service] = []
     try:
         decode_services = []
         for _ in range(decodes):
             decode_services.append(
-                start_service("decode", "--torch-threads", "1", *decode_flags, tmp_dir=tmp_dir)
+                start_service(
+                    "decode",
+                    "--torch-threads",
+                    "1",
+                    *decode_flags,
+                    tmp_dir=tmp_dir,
+                    faults=decode_faults,
+                )
             )
             started.append(decode_services[-1])
         prefill = start_service("prefill", "--torch-threads", "1", *prefill_flags, tmp_dir=tmp_dir)

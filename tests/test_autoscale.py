@@ -6,7 +6,6 @@ derives from the committed results. Then the scaler's decision rule, the functio
 uses, against hand-computed cases."""
 
 import importlib.util
-import math
 import pathlib
 import re
 import sys
@@ -216,22 +215,15 @@ def test_scale_down_waits_out_the_window_then_one_pod_per_period():
 
 
 def test_the_prefill_query_by_hand():
-    def samples(depth, tokens, prompts):
-        return {
-            ("pdserve_queue_depth", (("service", "prefill"),)): depth,
-            ("pdserve_tokens_total", (("kind", "prompt"), ("service", "prefill"))): tokens,
-            ("pdserve_prefill_batch_size_sum", (("service", "prefill"),)): prompts,
-            ("pdserve_queue_depth", (("service", "router"),)): 99,  # another service's
-        }
-
-    # 3 waiting; in the window 2,000 tokens over 4 prompts: 500 a prompt
-    assert autoscale.prefill_value(samples(3, 12000, 24), samples(0, 10000, 20)) == 1500
-    # no prompt prefilled in the window: the fallback mean
-    assert autoscale.prefill_value(samples(3, 10000, 20), samples(0, 10000, 20)) == 3 * 512
+    samples = {
+        ("pdserve_prefill_queued_prompt_tokens", (("service", "prefill"),)): 1200,
+        ("pdserve_prefill_queued_prompt_tokens", (("service", "prefill"), ("pod", "b"))): 300,
+        ("pdserve_queue_depth", (("service", "prefill"),)): 3,  # requests, not tokens
+    }
+    assert autoscale.prefill_value(samples) == 1500
     assert autoscale.decode_values(
         {
             ("pdserve_running_sequences", (("service", "decode"),)): 7,
             ("vllm:kv_cache_usage_perc", (("service", "decode"),)): 0.25,
         }
     ) == {"running_sequences": 7, "kv_usage": 0.25}
-    assert math.isclose(autoscale.FALLBACK_MEAN_PROMPT_TOKENS, 4096 / 8)

@@ -2,6 +2,11 @@
 
 Every test builds its own small stack, bounds every wait, and ends with every live decode pool
 holding nothing (Stack.pools_settled).
+
+Each test runs over one transport: mutual TLS where a service is killed or replaced and its peers
+must reconnect (a new handshake), plaintext where what fails is the same whatever the channel
+(bursts, refusals, drains, corrupted or dropped KV). Running every test over both cost about
+three minutes of the CI's budget and checked the same code twice.
 """
 
 import signal
@@ -24,10 +29,15 @@ def certs(tmp_path_factory):
     return make_dev_certs(tmp_path_factory.mktemp("certs"))
 
 
-@pytest.fixture(params=["plaintext", "mtls"])
+# Each test names its transport with one of these (the fixture's param, set indirectly).
+PLAINTEXT = pytest.mark.parametrize("services", ["plaintext"], indirect=True)
+MTLS = pytest.mark.parametrize("services", ["mtls"], indirect=True)
+
+
+@pytest.fixture
 def services(request, tmp_path, certs):
-    """Starts services on demand and stops every one of them at the end of the test. Every test
-    runs twice: in plaintext, and with every service and client on mutual TLS."""
+    """Starts services on demand and stops every one of them at the end of the test: in
+    plaintext, or with every service and client on mutual TLS (request.param)."""
     started = []
     mtls = request.param == "mtls"
 
@@ -82,6 +92,7 @@ def rpc_error(fn) -> grpc.RpcError:
     return err.value
 
 
+@PLAINTEXT
 def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
     decode = services("decode", "--num-blocks", "24")  # 384 tokens: three requests at a time
     prefill = services("prefill")
@@ -107,6 +118,7 @@ def test_burst_of_200_into_a_small_pool_finishes_or_is_refused(services):
     settled(stack)
 
 
+@PLAINTEXT
 def test_request_larger_than_the_pool_is_refused_at_once(services):
     decode = services("decode", "--num-blocks", "24")  # 384 tokens in all
     prefill = services("prefill")
@@ -136,6 +148,7 @@ def pending_on(stack: Stack) -> int:
     )
 
 
+@MTLS
 def test_decode_killed_mid_transfer_request_completes_on_the_other(services):
     decodes = [services("decode"), services("decode")]
     prefill = services("prefill", faults=STALL)
@@ -160,20 +173,24 @@ def _migrated_request(sampling: dict) -> pb.GenerateRequest:
 
 
 @pytest.mark.parametrize(
-    "sampling",
+    "services, sampling",
     [
-        {},
+        ("mtls", {}),
         # Penalties too: after the move they must count the tokens sent before it as output.
-        {
-            "temperature": 0.9,
-            "top_k": 40,
-            "seed": 1234,
-            "repetition_penalty": 1.2,
-            "frequency_penalty": 0.4,
-            "presence_penalty": 0.2,
-        },
+        (
+            "plaintext",
+            {
+                "temperature": 0.9,
+                "top_k": 40,
+                "seed": 1234,
+                "repetition_penalty": 1.2,
+                "frequency_penalty": 0.4,
+                "presence_penalty": 0.2,
+            },
+        ),
     ],
-    ids=["greedy", "seeded"],
+    ids=["mtls-greedy", "plaintext-seeded"],
+    indirect=["services"],
 )
 def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(services, sampling):
     """Decode dies after the client has tokens: the router prefills the prompt plus the tokens
@@ -200,6 +217,7 @@ def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(ser
     settled(stack)
 
 
+@PLAINTEXT
 def test_migration_off_ends_with_unavailable(services):
     decodes = [services("decode"), services("decode")]
     prefill = services("prefill")
@@ -216,6 +234,7 @@ def test_migration_off_ends_with_unavailable(services):
     settled(stack)
 
 
+@MTLS
 def test_prefill_killed_mid_transfer_then_replaced(services):
     decode = services("decode")
     prefill = services("prefill", faults=STALL)
@@ -243,6 +262,7 @@ def _try_generate(stack: Stack):
         return None
 
 
+@PLAINTEXT
 def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
     decode = services("decode")
     prefills = [services("prefill", faults="drop_after_chunks=2"), services("prefill")]
@@ -258,7 +278,7 @@ def test_kv_stream_dropped_midway_is_retried_on_a_good_prefill(services):
     settled(stack)
 
 
-@pytest.mark.parametrize("services", ["plaintext"], indirect=True)  # routing, not transport
+@PLAINTEXT  # routing, not transport
 def test_a_retry_avoids_the_decode_that_failed_even_when_it_is_still_preferred(services):
     """A decode that refuses KV but stays healthy is not marked down, and least-loaded routing
     puts it first on every try (it has twice the free blocks). Only the router's `avoid` set
@@ -285,6 +305,7 @@ def test_a_retry_avoids_the_decode_that_failed_even_when_it_is_still_preferred(s
     settled(stack)
 
 
+@PLAINTEXT
 def test_corrupted_chunk_is_refused_and_reported(services):
     decode = services("decode")
     prefill = services("prefill", faults="corrupt_chunk=1")
@@ -295,6 +316,7 @@ def test_corrupted_chunk_is_refused_and_reported(services):
     settled(stack)
 
 
+@MTLS
 def test_router_killed_while_decode_holds_leases_blocks_return(services):
     decode = services("decode")
     prefill = services("prefill", faults=STALL)
@@ -317,6 +339,7 @@ def test_router_killed_while_decode_holds_leases_blocks_return(services):
     settled(stack)
 
 
+@PLAINTEXT
 def test_sigterm_drains_router_in_flight_finish_new_refused(services):
     decode = services("decode")
     prefill = services("prefill")
@@ -338,6 +361,7 @@ def test_sigterm_drains_router_in_flight_finish_new_refused(services):
     settled(stack)
 
 
+@MTLS
 def test_sigterm_drains_decode(services):
     decode = services("decode", "--grace-seconds", "60")
     prefill = services("prefill")
@@ -360,6 +384,7 @@ def _refused(stack: Stack):
     return None
 
 
+@PLAINTEXT
 def test_router_bounds_a_request_whose_client_set_no_deadline(services):
     decode = services("decode")
     prefill = services("prefill")
@@ -372,6 +397,7 @@ def test_router_bounds_a_request_whose_client_set_no_deadline(services):
     settled(stack)
 
 
+@PLAINTEXT
 def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(services):
     """The engine loop fails outside the model call with a Prefill waiting: the call gets a clear
     status within a second (not at its deadline), the instance reports NOT_SERVING, and later
@@ -426,11 +452,11 @@ def test_a_failed_prefill_engine_fails_its_calls_at_once_and_leaves_service(serv
         wait_until(lambda: stats().free_blocks == stats().total_blocks, 10, "decode's blocks")
 
 
-# Both policies in plaintext, one under mTLS: what mTLS changes (the handshake, the reconnect)
-# does not depend on the policy, and each run costs about 26 s of the CI's budget.
+# Each policy once, one of them under mTLS: what mTLS changes (the handshake, the reconnect)
+# does not depend on the policy, and each run costs about 25 s of the CI's budget.
 @pytest.mark.parametrize(
     "services, policy",
-    [("plaintext", "least-loaded"), ("plaintext", "prefix-aware"), ("mtls", "least-loaded")],
+    [("plaintext", "prefix-aware"), ("mtls", "least-loaded")],
     indirect=["services"],
 )
 def test_one_of_two_decodes_killed_under_load_nothing_lost(services, policy):

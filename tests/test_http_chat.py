@@ -30,6 +30,9 @@ def chat_stack(tmp_path_factory):
         decode_flags=flags,
         prefill_flags=flags,
         router_flags=flags,
+        # 10 ms a step: a 400-token reply streams for about 5 s, so that the terminal test's
+        # Ctrl-C lands while it streams even on a busy machine (unslowed, it took about 1 s).
+        decode_faults="decode_step_seconds=0.01",
     )
     yield stack
     stack.stop()
@@ -152,9 +155,12 @@ def test_terminal_chat_streams_keeps_history_and_stops_on_ctrl_c(chat):
     term = Terminal(chat.router.address, "--max-tokens", "400", "--ignore-eos")
     try:
         term.say("Hello there")
-        wait_until(lambda: term.text().count("you> ") == 1 and len(term.text()) > 8, 30, "a reply")
+        wait_until(lambda: len(term.text().partition("you> ")[2]) >= 4, 30, "a reply")
         term.proc.send_signal(signal.SIGINT)  # Ctrl-C while the reply is streaming
-        wait_until(lambda: "[stopped]" in term.text(), 30, "the reply to stop")
+        try:
+            wait_until(lambda: "[stopped]" in term.text(), 30, "the reply to stop")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the terminal showed {term.text()!r}") from None
         wait_until(chat.pools_settled, 15, "the stopped reply's blocks to be freed")
         term.say("And again?")
         wait_until(lambda: term.text().count("you> ") == 3, 180, "the second reply to finish")

@@ -426,6 +426,42 @@ async def _raw_exchange(port: int, data: bytes) -> pb.DataPlaneReply:
         writer.close()
 
 
+def test_a_frame_dripped_slower_than_its_deadline_is_cut_before_the_streams(decode):
+    """One byte every 0.1 s of a 1 KiB frame: cut at the frame's deadline (0.5 s here), long
+    before the stream's (30 s). An idle timer would have been re-armed by every byte."""
+
+    async def main():
+        limits = DataPlaneLimits(stream_seconds=30.0, frame_seconds=0.5)
+        server = DataPlaneServer(decode.receiver, limits)
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            writer.write((1 << 10).to_bytes(4, "little"))
+            reply = None
+            while reply is None and loop.time() - started < 10:
+                writer.write(b"x")
+                await writer.drain()
+                try:
+                    length = await asyncio.wait_for(reader.readexactly(4), 0.1)
+                except asyncio.TimeoutError:
+                    continue
+                reply = pb.DataPlaneReply.FromString(
+                    await reader.readexactly(int.from_bytes(length, "little"))
+                )
+            cut_after = loop.time() - started
+        finally:
+            writer.close()
+            await server.stop()
+        assert reply is not None, "the dripping frame was never cut"
+        assert reply.error_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert "a frame took longer than 0.5 s" in reply.error_message
+        assert 0.4 < cut_after < 5, f"cut after {cut_after:.2f} s"
+
+    asyncio.run(main())
+
+
 async def _until(condition, seconds=5.0):
     deadline = asyncio.get_running_loop().time() + seconds
     while not condition():

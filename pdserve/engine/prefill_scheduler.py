@@ -1,14 +1,15 @@
 """Batched prefill: waiting prompts are run together, up to a batch size and a token budget.
 
 Each job gets its own slice of every layer's K and V as soon as the layer is computed (so a
-transfer can start while later layers run), then its first token. With a prefix cache
+transfer can start while later layers run), then its first token. Jobs wait in one line per
+client (pdserve/core/fair_lines.py), so a batch is filled by turns: one client's burst of long
+prompts cannot make another client's prompt wait behind all of it. With a prefix cache
 (prefill_prefix.py), each prompt is computed from the end of its longest cached prefix, and the
 token budget counts only the tokens computed.
 """
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,6 +17,7 @@ import torch
 
 from pdserve.engine.cancellations import Cancellations
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.fair_lines import FairLines
 from pdserve.core.picked import Pick
 from pdserve.engine.prefill_prefix import CachedPrompt, PrefixCachedPrefill
 from pdserve.core.request import GenerateSpec
@@ -42,6 +44,7 @@ class PrefillJob:
     on_done: Callable[[Pick, PrefillTiming], None]  # the first token
     on_error: Callable[[str], None]
     send_from: int = 0  # the KV of earlier positions is not wanted (decode holds it already)
+    client: str = ""  # whose turn it takes in the queue (the router's name for its client)
     enqueued_at: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # written by the engine thread only (PrefillScheduler.cancel)
     table: BlockTable | None = None  # its room in the prefix cache's pool, while it runs
@@ -67,22 +70,19 @@ class PrefillScheduler:
         """`ending`: the model's end-of-sequence token ids, which min_tokens holds back."""
         self.model, self.prefix, self.ending = model, prefix, ending
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
-        self._waiting: deque[PrefillJob] = deque()
+        self._waiting: FairLines[PrefillJob] = FairLines()
         self._running: list[PrefillJob] = []  # the batch of the current step
         self._lock = threading.Lock()
         self.cancels: Cancellations[PrefillJob] = Cancellations()
 
     def add(self, job: PrefillJob) -> None:
         with self._lock:
-            self._waiting.append(job)
+            self._waiting.append(job.client, job)
 
     def remove(self, job: PrefillJob) -> bool:
         """Takes a job out of the queue if it has not started; True if it was waiting."""
         with self._lock:
-            if job in self._waiting:
-                self._waiting.remove(job)
-                return True
-            return False
+            return self._waiting.remove(job)
 
     def cancel(self, job: PrefillJob) -> None:
         """Any thread: the job is dropped at the next step if it waits, and hands out no more KV
@@ -116,7 +116,7 @@ class PrefillScheduler:
     def fail_all(self, message: str) -> None:
         """Fails every waiting job and the batch in progress (the engine loop itself failed)."""
         with self._lock:
-            jobs, self._waiting = [*self._running, *self._waiting], deque()
+            jobs = [*self._running, *self._waiting.clear()]
         for job in jobs:
             job.on_error(message)
 
@@ -164,7 +164,7 @@ class PrefillScheduler:
         )
 
     def schedule(self) -> list[PrefillJob]:
-        """FIFO jobs within the batch size and token budget; always at least one if any wait.
+        """Jobs by turns within the batch size and token budget; always one if any wait.
         With a prefix cache, each job gets its room there first, and its cached prefix costs
         nothing against the budget; a job the pool cannot hold waits for the next batch, unless
         it is the first, which then runs alone without the cache."""
@@ -178,7 +178,7 @@ class PrefillScheduler:
                     if job.table is not None:
                         job.table.release()
                         job.table = None
-                    self._waiting.appendleft(job)
+                    self._waiting.put_back(job.client, job)
                 raise
         return batch
 
@@ -186,9 +186,10 @@ class PrefillScheduler:
         """schedule()'s loop, under its lock: moves jobs from the queue into `batch`."""
         tokens = 0
         while self._waiting and len(batch) < self.max_batch_size:
-            job = self._waiting[0]
+            job = self._waiting.peek()
+            assert job is not None  # the queue is not empty
             if job.cancelled:
-                self._waiting.popleft()
+                self._waiting.pop()
                 continue
             job.table = (
                 self.prefix.reserve(job.spec.prompt_token_ids, job.spec.cache_salt)
@@ -202,7 +203,7 @@ class PrefillScheduler:
                     job.table.release()
                     job.table = None
                 return
-            batch.append(self._waiting.popleft())
+            batch.append(self._waiting.pop()[1])
             tokens += cost
             if uncached:  # alone, whole: the pool cannot hold it even empty
                 return

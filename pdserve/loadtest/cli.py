@@ -543,7 +543,7 @@ def run_bench(args: argparse.Namespace) -> int:
         + (f" (sweep {', '.join(f'{r:g}' for r in rates)})" if len(rates) > 1 else "")
         + f"; {options.num_requests or 'unbounded'} requests"
         + (f" or {options.duration:g} s" if options.duration else "")
-        + f" per rate -> {args.address}",
+        + f" per rate -> {options.target}",
         file=sys.stderr,
         flush=True,
     )

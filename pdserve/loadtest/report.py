@@ -187,7 +187,7 @@ def conditions(
             "pdserve": _version("pdserve"),
             "os": platform.platform(),
         },
-        "target": {"address": options.address, "label": label},
+        "target": {"address": options.target, "label": label},
         # How the target was measured: its front, the /metrics read, the cores it was given.
         "measured": {
             "endpoint": options.endpoint,

@@ -57,6 +57,11 @@ class RunOptions:
     http_url: str = "http://127.0.0.1:8000/v1"  # base URL of the HTTP API, for those
     metrics_urls: tuple[str, ...] = ()  # services' /metrics, read before and after each rate
 
+    @property
+    def target(self) -> str:
+        """Where the requests go: the gRPC address, or the HTTP API's base URL."""
+        return self.address if self.endpoint == "grpc" else self.http_url
+
     def __post_init__(self) -> None:
         if self.num_requests is None and self.duration is None:
             raise ValueError("give a number of requests or a duration")

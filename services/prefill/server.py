@@ -29,7 +29,7 @@ from pdserve.rpc.server import (
     instance_name,
     run_until_signalled,
 )
-from pdserve.rpc.tls import Tls
+from pdserve.rpc.tls import Tls, peer_host
 from pdserve.settings import PREFILL_BLOCK_TOKENS, PrefillSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -104,11 +104,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.on_broken()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        client = _client_of(request, context)
         self._refuse_unless_serving(request)
         with self.admission.track():
             metadata = context.invocation_metadata()
             with tracing.server_span("pdserve.prefill", metadata, request_id=request.request_id):
-                return await self._prefill(request, context)
+                return await self._prefill(request, context, client)
 
     async def ScorePrompt(self, request: pb.ScorePromptRequest, context) -> pb.ScorePromptResponse:
         """The prompt's own logprobs, computed between batches. Under the same limits as
@@ -163,7 +164,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill is full: {why}")
 
-    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+    async def _prefill(
+        self, request: pb.PrefillRequest, context, client: str
+    ) -> pb.PrefillResponse:
         check_same_model(self.served, request.model_fingerprint, "the prefill request")
         spec = validate(
             convert.spec_from_internal(
@@ -195,6 +198,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             on_done=lambda t, timing: _resolve(loop, done, (t, timing)),
             on_error=lambda msg: _resolve(loop, done, RuntimeError(msg)),
             send_from=request.cached_tokens,
+            client=client,
         )
         # Never unbounded: a decode that stops reading must not hold this call (and its KV) forever.
         deadline = min(context.time_remaining() or math.inf, self.settings.push_timeout_seconds)
@@ -350,6 +354,20 @@ def _push_failed(request: pb.PrefillRequest, exc: KvTransferFailed, transport: s
     )
 
 
+MAX_CLIENT_NAME_BYTES = 256
+
+
+def _client_of(request: pb.PrefillRequest, context) -> str:
+    """The caller's address with the client it names: the router's clients are told apart, and
+    a direct caller cannot pass for one of them (it has another address)."""
+    if len(request.client.encode()) > MAX_CLIENT_NAME_BYTES:
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"client is longer than {MAX_CLIENT_NAME_BYTES} bytes",
+        )
+    return f"{peer_host(context.peer())} {request.client}"
+
+
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:
     server = Server.for_settings(settings.common, internal=True, service="prefill")
     instance = settings.common.instance or instance_name(
@@ -366,6 +384,9 @@ async def serve(served: ServedModel, settings: PrefillSettings) -> None:
         )
     metrics.start(settings.common.metrics_port, settings.common.host)
     metrics.QUEUE_DEPTH.labels("prefill").set_function(lambda: servicer.scheduler.queue_depth)
+    metrics.PREFILL_QUEUED_TOKENS.labels("prefill").set_function(
+        lambda: servicer.scheduler.queued_tokens
+    )
     pb_grpc.add_PrefillServiceServicer_to_server(servicer, server.grpc)
     model_info.add_to_server(served, server.grpc)
     loop = asyncio.get_running_loop()

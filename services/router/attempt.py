@@ -141,6 +141,7 @@ class Attempts:
                     data_endpoints=reservation.lease.data_endpoints,
                     cached_tokens=reservation.lease.cached_tokens,
                     cache_salt=spec.cache_salt,
+                    client=inflight.client,
                 ),
                 timeout=inflight.remaining(),
                 metadata=tracing.outgoing(inflight.trace),
