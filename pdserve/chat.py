@@ -6,6 +6,7 @@ being written (what was shown stays in the conversation, and the call is cancell
 frees its blocks); Ctrl-C at the prompt clears the line; Ctrl-D (end of input) exits.
 """
 
+import signal
 import sys
 
 import grpc
@@ -41,6 +42,9 @@ def add_chat(sub) -> None:
 
 
 def run_chat(args) -> int:
+    # Ctrl-C stops a reply (KeyboardInterrupt), even when started with SIGINT ignored, as a
+    # shell's background job (`cmd &` in a script) starts it: Python then raises none.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with client_channel(args.address) as channel:
         converse(pb_grpc.RouterServiceStub(channel), args)
     return 0
