@@ -6,6 +6,8 @@ called with inputs of the batch's size: every layer's fused q/k/v, o, fused gate
 projections, and the output head, in the format being served (so q4's floor is q4's kernel).
 What the step spends beyond the floor is per-op overhead, RoPE, norms and attention.
 
+q4 runs on either kernel (q4:torch, q4:native; pdserve/kernels/native.py); each is its own floor.
+
 Goal (the engine issue): step <= 1.3 x floor at batch 1, 16 and 64. Configurations (format x
 threads x batch) are interleaved repeat by repeat; each figure is the median over --repeats, with
 the min-max spread. The dense bf16 step is the baseline the other formats are compared with.
@@ -26,7 +28,6 @@ from torch import nn
 
 from common import spread, write_results
 from pdserve.core.block_pool import BlockPool
-from pdserve.core.config import WEIGHT_FORMATS
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.models.loading import load_served_model
 from pdserve.models.quantized import Int8Linear, Q4Linear
@@ -35,6 +36,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
 INNER = 5  # steps per timing; their median is one repeat's figure
+# --weights, and for q4 the kernel (--q4-kernel) after a colon.
+FORMATS = ["dense", "int8", "q4:torch", "q4:native"]
 
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
@@ -50,7 +53,8 @@ class Setup:
     """One served format: the model, a pool and each batch's block tables."""
 
     def __init__(self, fmt: str, batches: list[int], context: int) -> None:
-        self.served = load_served_model(MODEL, weight_format=fmt)
+        weights, _, kernel = fmt.partition(":")  # q4:native, q4:torch
+        self.served = load_served_model(MODEL, weight_format=weights, q4_kernel=kernel or "torch")
         self.model = self.served.built
         self.linears = linear_layers(self.model)
         tied = getattr(self.model, "lm_head", None) is None
@@ -92,7 +96,7 @@ def timed(fn, batch: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS), choices=WEIGHT_FORMATS)
+    p.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--context", type=int, default=150, help="tokens cached per sequence")
@@ -113,13 +117,19 @@ def main() -> None:
     rows = [row(c, step, floor) for c in configs]
     for r in rows:
         print(
-            f"{r['format']:>5} threads {r['threads']} batch {r['batch']:>2}: step "
+            f"{r['format']:>9} threads {r['threads']} batch {r['batch']:>2}: step "
             f"{r['step_ms']['median']:6.1f} ms, linear floor {r['floor_ms']['median']:6.1f} ms, "
             f"step/floor {r['step_over_floor']['median']:.2f} "
             f"({r['step_over_floor']['min']:.2f}-{r['step_over_floor']['max']:.2f})"
             + (
                 f", dense/this {r['dense_over_this']['median']:.2f}"
                 if "dense_over_this" in r
+                else ""
+            )
+            + (
+                f", q4:torch/this {r['q4_torch_over_this']['median']:.2f} "
+                f"({r['q4_torch_over_this']['min']:.2f}-{r['q4_torch_over_this']['max']:.2f})"
+                if "q4_torch_over_this" in r
                 else ""
             )
         )
@@ -149,6 +159,9 @@ def row(config: tuple, step: dict, floor: dict) -> dict:
     dense = ("dense", threads, batch)
     if fmt != "dense" and dense in step:
         out["dense_over_this"] = spread(d / s for d, s in zip(step[dense], step[config]))
+    torch_q4 = ("q4:torch", threads, batch)
+    if fmt == "q4:native" and torch_q4 in step:
+        out["q4_torch_over_this"] = spread(t / s for t, s in zip(step[torch_q4], step[config]))
     return out
 
 

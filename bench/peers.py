@@ -55,6 +55,7 @@ MODEL = "smollm2-135m-instruct"
 START_TIMEOUT = 300.0
 LOADED_TIMEOUT = 240.0  # a system whose streams have not finished by then is reported unfinished
 BENCH = Path(__file__).resolve().parent
+NATIVE_KERNEL = "pdserve colocated, native q4 kernel"  # run only when named in --only
 
 
 class Server:
@@ -121,6 +122,14 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
         "pdserve colocated": (
             ["taskset", "-c", "0-1", *py, "serve", "colocated", "--http-port", str(port)]
             + ["--port", str(free_port()), "--max-decode-batch", "64", *weights],
+            env,
+        ),
+        # The same, its q4 layers on pdserve's own kernel rather than torch's (the default):
+        # run only when named in --only.
+        NATIVE_KERNEL: (
+            ["taskset", "-c", "0-1", *py, "serve", "colocated", "--http-port", str(port)]
+            + ["--port", str(free_port()), "--max-decode-batch", "64", *weights]
+            + ["--q4-kernel", "native"],
             env,
         ),
         "pdserve disaggregated": (
@@ -297,7 +306,11 @@ def main() -> None:
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdserve-peers-")
     names = list(commands(args, 0))
-    names = [n for n in names if not args.only or n in args.only]
+    names = (
+        [n for n in names if n in args.only]
+        if args.only
+        else [n for n in names if n != NATIVE_KERNEL]
+    )
     runs: dict[str, dict[int, list[dict]]] = {n: {s: [] for s in args.streams} for n in names}
     startup: dict[str, list[float]] = {n: [] for n in names}
     loaded: dict[str, list[dict]] = {n: [] for n in names}
@@ -415,6 +428,9 @@ def goals(summary: dict, streams: list[int]) -> dict:
         )
         out[f"colocated / vllm ITL p99, {s} streams (goal <= 1)"] = ratio(
             median(colo, key, "itl_p99_ms"), median("vllm", key, "itl_p99_ms")
+        )
+        out[f"colocated on the native q4 kernel / on torch's, tokens/s, {s} streams"] = ratio(
+            median(NATIVE_KERNEL, key, "tokens_per_s"), median(colo, key, "tokens_per_s")
         )
         out[f"colocated decode tokens/s / engine ceiling, {s} streams (goal >= 0.9)"] = ratio(
             median(colo, key, "decode_tokens_per_s"), median("engine ceiling", key, "tokens_per_s")

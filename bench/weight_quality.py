@@ -1,7 +1,7 @@
 """How much each weight format changes the model's output, on a fixed prompt set.
 
 For each prompt, the dense bf16 model's greedy continuation (--tokens long) is the reference.
-Each format (int8, q4) is then measured two ways:
+Each format (int8, and q4 on each of its kernels) is then measured these ways:
 
   teacher-forced agreement  fed the reference's prompt + continuation, the share of continuation
                             positions where the format's top token is the reference's token;
@@ -37,6 +37,8 @@ from pdserve.models.loading import load_served_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m-instruct"
+# --weights, and for q4 the kernel after a colon (--q4-kernel: each rounds differently).
+FORMATS = ("dense", "int8", "q4:torch", "q4:native")
 PROMPTS = [
     "Once upon a time",
     "The capital of France is",
@@ -55,6 +57,11 @@ PROMPTS = [
     "The theory of relativity states that",
     "Here is a list of fruits: apple,",
 ]
+
+
+def _load(fmt: str):
+    weights, _, kernel = fmt.partition(":")  # q4:native, q4:torch (--q4-kernel)
+    return load_served_model(MODEL, weight_format=weights, q4_kernel=kernel or "torch")
 
 
 def greedy(model, prompt: list[int], tokens: int) -> list[int]:
@@ -145,16 +152,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
-    models = {f: load_served_model(MODEL, weight_format=f) for f in ("dense", "int8", "q4")}
+    models = {f: _load(f) for f in FORMATS}
     tokenizer = models["dense"].tokenizer
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     dense = models["dense"].built
     refs = [greedy(dense, prompt, args.tokens) for prompt in prompts]
-    results = {fmt: compare(models[fmt].built, prompts, refs, dense) for fmt in ("int8", "q4")}
+    results = {fmt: compare(models[fmt].built, prompts, refs, dense) for fmt in FORMATS[1:]}
     if args.llama_server:
         llama = llama_server_continuations(args.llama_server, prompts, args.tokens)
         results["vs_llama_server"] = {
-            fmt: compare(models[fmt].built, prompts, llama) for fmt in ("dense", "q4")
+            fmt: compare(models[fmt].built, prompts, llama) for fmt in FORMATS if fmt != "int8"
         }
     for name, figures in results.items():
         print(name, json.dumps(figures))

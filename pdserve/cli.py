@@ -57,6 +57,7 @@ def _serve(args) -> int:
         weights=(args.role != "router"),
         weight_format=common.weights,
         numerics=common.numerics,
+        q4_kernel=common.q4_kernel,
     )
     service = importlib.import_module(f"pdserve.services.{args.role}.server")
     tracing.configure(common.otlp_endpoint, args.role)

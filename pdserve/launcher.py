@@ -27,7 +27,7 @@ READY_TIMEOUT_SECONDS = 120.0
 
 
 # Settings `pdserve up` hands on to every service it starts; their flags come from pdserve.settings.
-SHARED_SETTINGS = ("model", "dtype", "weights", "numerics")
+SHARED_SETTINGS = ("model", "dtype", "weights", "numerics", "q4_kernel")
 ROLES = ("prefill", "decode", "router")
 
 
@@ -162,12 +162,21 @@ def _interrupt(signum, frame) -> None:
 def run_up(args) -> int:
     # A bad --model or --dtype is one error here (exit 2), not three failed start-ups; a GGUF is
     # converted here once rather than by three services at the same time.
-    CommonSettings(model=args.model, dtype=args.dtype, weights=args.weights, numerics=args.numerics)
+    shared = {name: getattr(args, name) for name in SHARED_SETTINGS}
+    CommonSettings(**shared)
+    from pdserve.kernels import native
     from pdserve.models.loading import load_served_model
 
     served = load_served_model(
-        args.model, args.dtype, weights=False, weight_format=args.weights, numerics=args.numerics
+        args.model,
+        args.dtype,
+        weights=False,
+        weight_format=args.weights,
+        numerics=args.numerics,
+        q4_kernel=args.q4_kernel,
     )
+    if served.config.q4_kernel == "native":
+        native.ensure_built()  # here once, not by two services at the same time
     print(f"model: {served.identity}", flush=True)
     args.port = args.port or free_port()
     cpus = placement(args)

@@ -16,7 +16,7 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar, Protocol, get_type_hints
 
-from pdserve.core.config import AUTO_WEIGHTS, NUMERICS, WEIGHT_FORMATS
+from pdserve.core.config import AUTO_WEIGHTS, NUMERICS, Q4_KERNELS, WEIGHT_FORMATS
 from pdserve.faults import Faults
 
 ENV_PREFIX = "PDSERVE_"
@@ -80,6 +80,13 @@ class CommonSettings:
         "at a cost (docs/measurements.md). Every service must agree: it is part of the "
         "model's fingerprint",
     )
+    q4_kernel: str = setting(
+        "torch",
+        "what multiplies q4 layers: torch (torch's int4 kernel) or native (pdserve's AVX2 "
+        "kernel on llama.cpp's own Q4_1 bytes, activations rounded to 8 bits as llama.cpp "
+        "does; built by scripts/install.sh, needs AVX2, FMA and F16C). Every service must "
+        "agree: it is part of the model's fingerprint",
+    )
     host: str = setting(
         "127.0.0.1",
         "address to listen on (gRPC, metrics and the KV data plane); 0.0.0.0 for every "
@@ -129,6 +136,7 @@ class CommonSettings:
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "weights", (AUTO_WEIGHTS, *WEIGHT_FORMATS))
         _one_of(self, "numerics", NUMERICS)
+        _one_of(self, "q4_kernel", Q4_KERNELS)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
         if self.otlp_endpoint:

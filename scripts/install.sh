@@ -19,3 +19,6 @@ fi
   | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, grpc" || { echo "install failed" >&2; exit 1; }
 .venv/bin/python -m pdserve.build_proto
+# pdserve's AVX2 q4 kernel, compiled once here (about 20 s) so that no server waits for it; on a
+# machine that cannot run it this says why, and q4 layers use torch's kernel.
+.venv/bin/python -m pdserve.kernels.native

@@ -68,10 +68,15 @@ def test_greedy_continuations_equal_transformers_token_for_token(served, referen
         stack.stop()
 
 
-def test_a_chat_question_gets_a_sensible_answer_in_bfloat16(tmp_path):
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_a_chat_question_gets_a_sensible_answer_in_bfloat16(tmp_path, kernel):
+    """On the default weights (q4), with either q4 kernel."""
     colocated = start_service(
-        "colocated", "--model", SMOLLM2_NAME, "--torch-threads", "2", tmp_dir=str(tmp_path)
+        "colocated",
+        *("--model", SMOLLM2_NAME, "--torch-threads", "2", "--q4-kernel", kernel),
+        tmp_dir=str(tmp_path),
     )
+    expected = load_served_model(SMOLLM2_NAME, weights=False, weight_format="q4", q4_kernel=kernel)
     try:
         with grpc.insecure_channel(colocated.address) as channel:
             stub = pb_grpc.RouterServiceStub(channel)
@@ -83,6 +88,7 @@ def test_a_chat_question_gets_a_sensible_answer_in_bfloat16(tmp_path):
                 64,
             )
             assert info.kv_bytes_per_token == 23040
+            assert info.fingerprint == expected.fingerprint  # q4, on this kernel
             request = pb.GenerateRequest(
                 messages=[pb.ChatMessage(role="user", content="What is the capital of Japan?")],
                 sampling=pb.SamplingParams(max_tokens=24),

@@ -14,7 +14,8 @@ from pdserve.models.quantized import WIDE_ROWS, Int8Linear, Q4Linear, make_linea
 from pdserve.settings import CommonSettings
 
 TOLERANCE = 1e-4
-QUANTIZED = ("int8", "q4")
+# (--weights, --q4-kernel): each q4 kernel is its own format, token-exact against itself.
+FORMATS = [("int8", "torch"), ("q4", "native"), ("q4", "torch")]
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +23,15 @@ def checkpoint(tmp_path_factory):
     return tc.build("llama-gqa-untied", tmp_path_factory.mktemp("formats"))
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED)
-def test_each_format_is_token_exact_against_its_own_reference(checkpoint, fmt):
+@pytest.mark.parametrize(("fmt", "kernel"), FORMATS)
+def test_each_format_is_token_exact_against_its_own_reference(checkpoint, fmt, kernel):
     """Packed prefill and paged decode equal the plain contiguous forward of the same weights."""
-    served = load_served_model(str(checkpoint), weight_format=fmt)
+    served = load_served_model(str(checkpoint), weight_format=fmt, q4_kernel=kernel)
     model = served.built
     linears = [m for m in model.modules() if isinstance(m, (Int8Linear, Q4Linear))]
     assert linears, "no layer was converted"
+    q4 = [m for m in linears if isinstance(m, Q4Linear)]
+    assert all(m.kernel == kernel for m in q4) and bool(q4) == (fmt == "q4")
     batch = prompts()
     packed = model.prefill_packed(batch, lambda *kv: None)
     for prompt, logits in zip(batch, packed):
@@ -39,10 +42,10 @@ def test_each_format_is_token_exact_against_its_own_reference(checkpoint, fmt):
     assert worst < TOLERANCE
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED)
-def test_quantized_logits_stay_near_dense(checkpoint, fmt):
+@pytest.mark.parametrize(("fmt", "kernel"), FORMATS)
+def test_quantized_logits_stay_near_dense(checkpoint, fmt, kernel):
     dense = load_served_model(str(checkpoint)).built
-    quantized = load_served_model(str(checkpoint), weight_format=fmt).built
+    quantized = load_served_model(str(checkpoint), weight_format=fmt, q4_kernel=kernel).built
     prompt = prompts()[3]
     ref, got = dense.forward_contiguous(prompt, []), quantized.forward_contiguous(prompt, [])
     # Random tiny weights are the worst case for 4 bits; a wrong layout gives errors of the
@@ -114,10 +117,11 @@ def test_the_gguf_4_bit_blocks_are_the_converted_weights():
 
 def test_the_format_is_part_of_the_fingerprint(checkpoint):
     prints = {
-        f: load_served_model(str(checkpoint), weights=False, weight_format=f) for f in QUANTIZED
+        (f, k): load_served_model(str(checkpoint), weights=False, weight_format=f, q4_kernel=k)
+        for f, k in FORMATS
     }
     dense = load_served_model(str(checkpoint), weights=False)
-    assert len({dense.fingerprint, *(s.fingerprint for s in prints.values())}) == 3
+    assert len({dense.fingerprint, *(s.fingerprint for s in prints.values())}) == 4
 
 
 def test_bad_formats_are_refused_clearly():

@@ -18,6 +18,9 @@ AUTO_WEIGHTS = "auto"
 # row depend on the batch and the path; "invariant" gives a row the same result in any batch, on
 # any path (prompt, chunk, decode, migration), at a cost (pdserve/models/invariant_attention.py).
 NUMERICS = ("fast", "invariant")
+# The kernel that multiplies q4 layers (pdserve/kernels/native.py): torch's int4 kernel, or
+# pdserve's own, computing as llama.cpp does; "" for the other formats.
+Q4_KERNELS = ("torch", "native")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class ModelConfig:
     weights: str = "dense"
     # Also part of the identity: the two orders give (slightly) different KV and tokens.
     numerics: str = "fast"
+    # Also part of the identity: the two q4 kernels round differently.
+    q4_kernel: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -61,6 +66,8 @@ class ModelConfig:
             )
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics {self.numerics!r}: expected one of {', '.join(NUMERICS)}")
+        if self.q4_kernel not in (Q4_KERNELS if self.weights == "q4" else ("",)):
+            raise ValueError(f"q4_kernel {self.q4_kernel!r} does not fit weights {self.weights}")
         if not self.head_size and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:

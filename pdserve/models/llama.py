@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
-from pdserve.models.quantized import Q4Blocks, make_linear, stacked
+from pdserve.models.quantized import Q4Source, make_linear, stacked
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 
@@ -47,7 +47,7 @@ class Attention(nn.Module):
             return self.q_proj(h), self.k_proj(h), self.v_proj(h)
         return self.qkv_proj(h).split(self.sizes, -1)
 
-    def fuse(self, fmt: str, q4: dict[str, Q4Blocks], prefix: str) -> None:
+    def fuse(self, fmt: str, q4: Q4Source, prefix: str) -> None:
         """One matrix for q, k and v (one read of the input, one kernel call), in `fmt`."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
         self.qkv_proj = _stacked_linear(fmt, parts, q4, [prefix + n for n in ("q", "k", "v")])
@@ -71,7 +71,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).split(self.d_ff, -1)
         return self.down_proj(F.silu(gate) * up)
 
-    def fuse(self, fmt: str, q4: dict[str, Q4Blocks], prefix: str) -> None:
+    def fuse(self, fmt: str, q4: Q4Source, prefix: str) -> None:
         parts = [self.gate_proj, self.up_proj]
         self.gate_up_proj = _stacked_linear(fmt, parts, q4, [prefix + "gate", prefix + "up"])
         self.down_proj = _stacked_linear(fmt, [self.down_proj], q4, [prefix + "down"])
@@ -79,17 +79,17 @@ class MLP(nn.Module):
 
 
 def _stacked_linear(
-    fmt: str, parts: Sequence[nn.Module], q4: dict[str, Q4Blocks], names: list[str]
+    fmt: str, parts: Sequence[nn.Module], q4: Q4Source, names: list[str]
 ) -> nn.Module:
     """The linear layers `parts` (named by `names` in `q4`) as one, their rows stacked."""
     linears = cast(list[nn.Linear], list(parts))
     weight = torch.cat([p.weight for p in linears])
     bias = stacked([p.bias for p in linears])
-    blocks = [q4.get(f"{n}_proj.weight") for n in names]
+    blocks = [q4.blocks.get(f"{n}_proj.weight") for n in names]
     own = None
     if all(b is not None for b in blocks):
         own = tuple(torch.cat([b[i] for b in blocks if b is not None]) for i in range(3))
-    return make_linear(fmt, weight, bias, own)  # type: ignore[arg-type]
+    return make_linear(fmt, weight, bias, own, q4.kernel)  # type: ignore[arg-type]
 
 
 class Layer(nn.Module):
@@ -155,9 +155,9 @@ class LlamaForCausalLM(DecoderOnly):
             return F.linear(x, self.model.embed_tokens.weight)
         return self.lm_head(x)
 
-    def use_weights(self, fmt: str, q4: dict[str, Q4Blocks]) -> None:
+    def use_weights(self, fmt: str, q4: Q4Source) -> None:
         """Fuses each layer's projections and holds every linear layer in `fmt` (quantized.py);
-        `q4` holds a GGUF's own 4-bit blocks by Hugging Face name, where there are any. The
+        `q4` holds a GGUF's own 4-bit blocks, where there are any, and the q4 kernel. The
         output head, the largest matrix, is int8 in both quantized formats, as llama.cpp keeps
         its own in 8 bits."""
         for index, layer in enumerate(cast(list[Layer], list(self.layers))):

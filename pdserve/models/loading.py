@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.core.config import AUTO_WEIGHTS, ModelConfig
+from pdserve.kernels import native
 from pdserve.models import checkpoint
 from pdserve.models.tokenizer import ByteTokenizer, Tokenizer
 
@@ -56,11 +57,13 @@ def load_served_model(
     weights: bool = True,
     weight_format: str = "dense",
     numerics: str = "fast",
+    q4_kernel: str = "torch",
 ) -> ServedModel:
     """`weight_format` (--weights) is how the linear layers hold their weights; `auto` picks
     q4 for a bfloat16 model from a GGUF, dense for any other. `numerics` (--numerics): fast or
-    invariant kernels (pdserve.core.config.NUMERICS)."""
-    served = _describe(ref, dtype, weight_format, numerics)
+    invariant kernels (pdserve.core.config.NUMERICS). `q4_kernel` (--q4-kernel): what
+    multiplies q4 layers (pdserve.kernels.native)."""
+    served = _describe(ref, dtype, weight_format, numerics, q4_kernel)
     if weights:
         from pdserve.models.registry import build
 
@@ -68,7 +71,9 @@ def load_served_model(
     return served
 
 
-def _describe(ref: str, dtype: str, weight_format: str, numerics: str) -> ServedModel:
+def _describe(
+    ref: str, dtype: str, weight_format: str, numerics: str, q4_kernel: str
+) -> ServedModel:
     if ref.lower() == TINYGPT:
         dense = weight_format == AUTO_WEIGHTS
         config = ModelConfig(
@@ -85,7 +90,8 @@ def _describe(ref: str, dtype: str, weight_format: str, numerics: str) -> Served
     if weight_format == AUTO_WEIGHTS:
         ships_q4 = gguf is not None and gguf_import.holds_q4_1(directory)
         weight_format = "q4" if ships_q4 and config.dtype == "bfloat16" else "dense"
-    config = dataclasses.replace(config, weights=weight_format, numerics=numerics)
+    kernel = native.require(q4_kernel) if weight_format == "q4" else ""
+    config = dataclasses.replace(config, weights=weight_format, numerics=numerics, q4_kernel=kernel)
     files = checkpoint.weight_files(directory)
     name = (
         Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() else ref

@@ -1,4 +1,4 @@
-"""Linear layers in fewer bytes: int8 weight-only and 4-bit groups (q4), on torch's own CPU kernels.
+"""Linear layers in fewer bytes: int8 weight-only and 4-bit groups (q4).
 
 A decode step reads every weight once per step, so at small batches its time follows the bytes
 read. Three formats (`--weights`):
@@ -9,33 +9,44 @@ read. Three formats (`--weights`):
   q4     4-bit codes in groups of 32 input columns, each group with a scale and a minimum, as
          llama.cpp's Q4_1 stores them: weight = code * scale + minimum. From a Q4_1 GGUF the
          blocks are read as they are (the model the file ships); from any other checkpoint they
-         are computed from the dense weights. torch._weight_int4pack_mm_for_cpu
+         are computed from the dense weights.
 
-The int4 kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale. Its scales
-are held in the activations' dtype: bfloat16 rounds Q4_1's fp16 scales to 8 significant bits.
-A q4 layer whose shape the kernel refuses (output rows not a multiple of 16, input columns not a
-multiple of 32) stays int8, and says so in the log.
+q4 layers multiply on one of two kernels (--q4-kernel, pdserve/kernels/native.py):
 
-A pass of many rows (a prompt's prefill) is bound by arithmetic, not by bytes, and the int4
-kernel is then the slower way: on an AVX2 CPU at 1,500 rows it took 54-57 ms per SmolLM2 matrix
-against 22-30 ms for a float32 GEMM (and 145-170 ms in bfloat16, which AVX2 has no instructions
-for). So a q4 layer keeps its codes and, from WIDE_ROWS rows up, multiplies in float32 by the
-same weights, dequantized once on first use (4 bytes per weight, only in a process that runs
-such passes). The crossover measured there was 48-64 rows.
+  native  pdserve's AVX2 kernel, on llama.cpp's own block_q4_1 bytes (fp16 scale and minimum,
+          then the codes: 20 bytes per 32 weights): each row of activations is rounded to int8
+          per block of 32, with integer dot products against the codes, as llama.cpp computes.
+  torch   torch._weight_int4pack_mm_for_cpu, which computes (code - 8) * scale + zero, so
+          zero = minimum + 8 * scale. Its scales are held in the activations' dtype: bfloat16
+          rounds Q4_1's fp16 scales to 8 significant bits.
+
+A q4 layer whose shape does not fit (output rows not a multiple of 16, as torch's packing needs,
+or input columns not a multiple of 32) stays int8, and says so in the log.
+
+A pass of many rows (a prompt's prefill) is bound by arithmetic, not by bytes, and a 4-bit
+kernel is then the slower way: on an AVX2 CPU at 1,500 rows torch's took 54-57 ms per SmolLM2
+matrix against 22-30 ms for a float32 GEMM (and 145-170 ms in bfloat16, which AVX2 has no
+instructions for). So a q4 layer keeps its codes and, from WIDE_ROWS rows up, multiplies in
+float32 by the same weights, dequantized once on first use (4 bytes per weight, only in a process
+that runs such passes). The crossover measured there was 48-64 rows. On the native kernel the
+wide pass rounds its activations to 8 bits first, so it computes what the kernel computes.
 """
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from pdserve.kernels import native
 from pdserve.models.invariant_attention import MIN_ROWS  # float32 GEMMs: invariant from here up
 
 log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
+Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums
 WIDE_ROWS = 128  # from here up, a q4 layer multiplies in float32 (see the module's docstring)
 
 
@@ -63,7 +74,13 @@ class Int8Linear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    packed: torch.Tensor  # buffers, declared for the type checker
+    """4-bit groups multiplied by one of two kernels (`kernel`, pdserve/kernels/native.py):
+    torch's int4 kernel, or pdserve's own, which computes as llama.cpp does."""
+
+    # Buffers, declared for the type checker: `blocks` on the native kernel; `packed`,
+    # `scales_and_zeros` and `nibbles` on torch's.
+    blocks: torch.Tensor
+    packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     nibbles: torch.Tensor
     bias: torch.Tensor | None
@@ -75,29 +92,37 @@ class Q4Linear(nn.Module):
         minimums: torch.Tensor,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        kernel: str = "torch",
     ) -> None:
         """codes int [rows, columns] in 0..15; scales, minimums [rows, columns / 32]."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        zeros = minimums.float() + 8 * scales.float()
-        # The kernel's layout: [groups, rows, (scale, zero)].
-        both = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().to(dtype)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", both)
-        # The same codes two to a byte (the kernel's packing is its own), for the float32 copy.
-        small = codes.to(torch.uint8)
-        self.register_buffer("nibbles", small[:, 0::2] | (small[:, 1::2] << 4))
+        self.kernel = kernel
+        if kernel == "native":
+            native.load()
+            self.register_buffer("blocks", q4_1_block_bytes(codes, scales, minimums))
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            zeros = minimums.float() + 8 * scales.float()
+            # torch's layout: [groups, rows, (scale, zero)], in the activations' dtype.
+            both = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous()
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_and_zeros", both.to(dtype))
+            # The codes again, two to a byte, for the float32 copy (torch's packing is its own).
+            self.register_buffer("nibbles", _nibbles(codes))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._wide: torch.Tensor | None = None
-        # None keeps every pass on the int4 kernel, whose result for a row does not depend on
+        # None keeps every pass on the 4-bit kernel, whose result for a row does not depend on
         # how many rows share the pass (invariant numerics); float32 from WIDE_ROWS would.
         self.wide_rows: int | None = WIDE_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.wide_rows is not None and flat.shape[0] >= self.wide_rows:
-            out = torch.nn.functional.linear(flat.float(), self.wide_weight()).to(x.dtype)
+            wide = flat.float() if self.kernel == "torch" else rounded_to_8_bits(flat)
+            out = torch.nn.functional.linear(wide, self.wide_weight()).to(x.dtype)
+        elif self.kernel == "native":
+            out = torch.ops.pdserve.q4_1_linear(flat.contiguous(), self.blocks)
         else:
             out = torch._weight_int4pack_mm_for_cpu(
                 flat, self.packed, Q4_GROUP, self.scales_and_zeros
@@ -106,14 +131,59 @@ class Q4Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def wide_weight(self) -> torch.Tensor:
-        """The float32 weights the kernel reads: (code - 8) * scale + zero, with its scales."""
+        """The float32 weights the 4-bit kernel reads, with that kernel's own scales."""
         if self._wide is None:
-            rows, columns = self.out_features, self.in_features
-            codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).view(rows, -1, Q4_GROUP)
-            held = self.scales_and_zeros.float().transpose(0, 1)  # [rows, groups, 2]
-            scale, zero = held[..., 0:1], held[..., 1:2]
-            self._wide = ((codes.float() - 8) * scale + zero).view(rows, columns)
+            if self.kernel == "native":
+                codes, scale, minimum = q4_1_from_block_bytes(self.blocks)
+                weight = codes.float() * scale[..., None] + minimum[..., None]
+            else:
+                codes = _codes(self.nibbles)
+                held = self.scales_and_zeros.float().transpose(0, 1)  # [rows, groups, 2]
+                weight = (codes.float() - 8) * held[..., 0:1] + held[..., 1:2]
+            self._wide = weight.view(self.out_features, self.in_features)
         return self._wide
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, groups, 16] bytes: byte i of a group holds code i (low) and code i + 16 (high)."""
+    halves = codes.to(torch.uint8).view(codes.shape[0], -1, 2, Q4_GROUP // 2)
+    return halves[:, :, 0] | (halves[:, :, 1] << 4)
+
+
+def _codes(nibbles: torch.Tensor) -> torch.Tensor:
+    """_nibbles' inverse: [rows, groups, 32] codes."""
+    return torch.cat([nibbles & 15, nibbles >> 4], -1)
+
+
+def q4_1_block_bytes(
+    codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> torch.Tensor:
+    """llama.cpp's block_q4_1 bytes, [rows, groups * 20]: per group the scale and the minimum
+    as fp16, then the 16 bytes of codes (the native kernel's input)."""
+    rows = codes.shape[0]
+    halves = [
+        t.to(torch.float16).reshape(rows, -1, 1).view(torch.uint8) for t in (scales, minimums)
+    ]
+    return torch.cat([*halves, _nibbles(codes)], -1).reshape(rows, -1).contiguous()
+
+
+def q4_1_from_block_bytes(blocks: torch.Tensor) -> Q4Blocks:
+    """q4_1_block_bytes' inverse: codes [rows, groups, 32], scales and minimums [rows, groups]
+    (float32, from their fp16)."""
+    grouped = blocks.view(blocks.shape[0], -1, 20)
+    scale = grouped[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    minimum = grouped[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    return _codes(grouped[..., 4:]), scale, minimum
+
+
+def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 as the native kernel sees it: each block of 32 rounded to int8 codes times
+    max|block| / 127. So a wide pass and a kernel pass of a row differ only in the order of
+    their float sums, and a prefilled prompt's KV is computed as its decode steps are."""
+    blocks = x.float().reshape(-1, x.shape[-1] // Q4_GROUP, Q4_GROUP)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).view(x.shape)
 
 
 class PaddedRows(nn.Module):
@@ -143,7 +213,13 @@ def with_min_rows(
     return layer(padded)[: flat.shape[0]].view(*x.shape[:-1], -1)
 
 
-Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums
+@dataclass(frozen=True)
+class Q4Source:
+    """What q4 layers are built from: a GGUF's own blocks by Hugging Face weight name (empty:
+    computed from the dense weights) and the kernel that multiplies them (native or torch)."""
+
+    blocks: dict[str, Q4Blocks] = field(default_factory=dict)
+    kernel: str = "torch"
 
 
 def q4_blocks(weight: torch.Tensor) -> Q4Blocks:
@@ -172,8 +248,10 @@ def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     blocks: Q4Blocks | None = None,
+    q4_kernel: str = "torch",
 ) -> nn.Module:
-    """One linear layer in `fmt`; for q4, `blocks` are the file's own (else computed)."""
+    """One linear layer in `fmt`; for q4, `blocks` are the file's own (else computed), and
+    `q4_kernel` the kernel that multiplies them (native or torch)."""
     if fmt == "dense":
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -182,7 +260,7 @@ def make_linear(
         return linear
     if fmt == "q4" and fits_q4(*weight.shape):
         codes, scales, minimums = blocks if blocks is not None else q4_blocks(weight)
-        return Q4Linear(codes, scales, minimums, bias, weight.dtype)
+        return Q4Linear(codes, scales, minimums, bias, weight.dtype, q4_kernel)
     if fmt == "q4":
         log.info("a %s linear layer does not fit the 4-bit kernel: int8", tuple(weight.shape))
     return Int8Linear(weight, bias)

@@ -12,7 +12,7 @@ from pdserve.core.config import ModelConfig
 from pdserve.models import checkpoint
 from pdserve.models.decoder import DecoderOnly, parameter_count
 from pdserve.models.llama import LlamaForCausalLM
-from pdserve.models.quantized import PaddedRows, Q4Linear
+from pdserve.models.quantized import PaddedRows, Q4Linear, Q4Source
 from pdserve.models.tinygpt import TinyGPT
 
 log = logging.getLogger(__name__)
@@ -42,17 +42,21 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
     model.load_state_dict({n: t.to(dtype) for n, t in tensors.items()}, strict=True, assign=True)
     count = parameter_count(model)
     if isinstance(model, LlamaForCausalLM):
-        model.use_weights(
-            config.weights, _q4_blocks(source, gguf) if config.weights == "q4" else {}
+        q4 = (
+            Q4Source(_q4_blocks(source, gguf), config.q4_kernel)
+            if config.weights == "q4"
+            else Q4Source()
         )
+        model.use_weights(config.weights, q4)
     with_numerics(model, config.numerics)
     log.info(
-        "loaded %s from %s: %.1fM parameters in %s, linear layers %s, %s numerics, %.1f s",
+        "loaded %s from %s: %.1fM parameters in %s, linear layers %s%s, %s numerics, %.1f s",
         config.architecture,
         source,
         count / 1e6,
         config.dtype,
         config.weights,
+        f" on the {config.q4_kernel} kernel" if config.q4_kernel else "",
         config.numerics,
         time.perf_counter() - started,
     )

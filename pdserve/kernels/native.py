@@ -1,0 +1,169 @@
+"""Build and load pdserve's AVX2 Q4_1 kernel (q4_1_avx2.cpp), the other q4 kernel beside torch's.
+
+`--q4-kernel` picks how q4 layers multiply:
+  torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16 (the default)
+  native  q4_1_avx2.cpp, on llama.cpp's own block_q4_1 bytes: activations rounded to int8 per
+          block of 32 and integer dot products, as llama.cpp computes Q4_1. It needs x86-64
+          Linux with AVX2, FMA and F16C. Its matrix products are faster at 16 and 64 rows, but a
+          served stream was not measurably faster (docs/measurements.md), so it is not the
+          default.
+
+The two give slightly different logits, so the kernel is part of the model's fingerprint: a
+prefill and a decode on different kernels refuse each other's KV by name.
+
+The library is compiled once with the C++ compiler (`c++`, or $CXX) against the installed torch,
+into $PDSERVE_KERNEL_DIR (default: share/pdserve-kernels in the Python environment), under a name
+that hashes the source, torch's version and the flags, so a changed source or torch is rebuilt.
+scripts/install.sh builds it (`python -m pdserve.kernels.native`), so no server waits for it.
+It registers the op torch.ops.pdserve.q4_1_linear: loaded through torch, not Python's importer,
+it needs no Python headers and no build tool besides the compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.core.config import Q4_KERNELS
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("q4_1_avx2.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+BUILD_TIMEOUT_S = 600
+
+_loaded = False
+
+
+class KernelUnavailable(ValueError):
+    """The native kernel cannot run here (a setting this machine cannot meet); says why."""
+
+
+def require(choice: str) -> str:
+    """`--q4-kernel` checked: native only where this machine can build and run it."""
+    if choice not in Q4_KERNELS:
+        raise ValueError(f"--q4-kernel must be one of {', '.join(Q4_KERNELS)}, got {choice!r}")
+    reason = why_unavailable() if choice == "native" else None
+    if reason is not None:
+        raise KernelUnavailable(f"--q4-kernel native cannot run here: {reason}")
+    return choice
+
+
+def why_unavailable() -> str | None:
+    """None where the native kernel is built or can be built; else the reason, for the log."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is for x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if not library_path().is_file() and compiler() is None:
+        return "it is not built and there is no C++ compiler (set $CXX) to build it"
+    return None
+
+
+def ensure_built() -> None:
+    """Builds the library unless it is built (KernelUnavailable where it cannot run here)."""
+    reason = why_unavailable()
+    if reason is not None:
+        raise KernelUnavailable(f"the native q4 kernel cannot run here: {reason}")
+    if not library_path().is_file():
+        build(library_path())
+
+
+def load() -> None:
+    """Registers torch.ops.pdserve.q4_1_linear, building the library first if it is not built."""
+    global _loaded
+    if _loaded:
+        return
+    ensure_built()
+    import torch
+
+    torch.ops.load_library(str(library_path()))
+    _loaded = True
+
+
+def build(path: Path) -> None:
+    """Compiles the library to `path`: into a temporary file first, renamed into place, so two
+    processes building at once each finish with a whole library."""
+    import torch.utils.cpp_extension as ext
+
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler to build the native q4 kernel (set $CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    log.info("building the native q4 kernel (once per source and torch version) into %s", path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        partial = Path(scratch) / path.name
+        command = [cxx, *FLAGS, *_torch_flags(ext), str(SOURCE), "-o", str(partial)]
+        command += [f"-L{d}" for d in ext.library_paths()] + ["-lc10", "-ltorch_cpu"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise KernelUnavailable(
+                f"building the native q4 kernel failed ({cxx}, exit {done.returncode}):\n"
+                + done.stderr[-4000:]
+            )
+        os.replace(partial, path)
+    for stale in path.parent.glob("q4_1_avx2-*.so"):  # other sources' builds: never loaded again
+        if stale != path:
+            stale.unlink(missing_ok=True)
+    log.info("built the native q4 kernel in %.0f s", time.perf_counter() - started)
+
+
+def _torch_flags(ext) -> list[str]:
+    import torch
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-I{d}" for d in ext.include_paths()] + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+
+
+def library_path() -> Path:
+    """Where the library for this source, torch version and flags lives (built or not)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(importlib.metadata.version("torch").encode())
+    digest.update(" ".join(FLAGS).encode())
+    directory = os.environ.get("PDSERVE_KERNEL_DIR") or Path(sys.prefix) / "share/pdserve-kernels"
+    return Path(directory) / f"q4_1_avx2-{digest.hexdigest()[:16]}.so"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def main() -> int:
+    """`python -m pdserve.kernels.native`: build the library now (scripts/install.sh runs it).
+    Exits 0 where the kernel cannot run here, saying why: only --q4-kernel native needs it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    reason = why_unavailable()
+    if reason is not None:
+        print(f"native q4 kernel: not built ({reason}); --q4-kernel native is unavailable")
+        return 0
+    started = time.perf_counter()
+    load()
+    print(f"native q4 kernel: {library_path()} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

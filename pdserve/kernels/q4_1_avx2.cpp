@@ -1,0 +1,144 @@
+// x @ W.T for W held as Q4_1 blocks, on AVX2 and F16C, as the op pdserve::q4_1_linear.
+//
+// The blocks are llama.cpp's block_q4_1, byte for byte: per 32 weights of a row, 20 bytes, the
+// scale and the minimum as fp16, then 16 bytes of which byte i holds weight i (low nibble) and
+// weight i + 16 (high nibble). One stream of bytes per output row, as the file stores it.
+//
+// llama.cpp's scheme: each row of x is quantised per block of 32 to int8 (scale max|x| / 127),
+// and each block's dot product with a block of 4-bit codes is an integer one (maddubs + madd),
+// scaled once per block. W = code * scale + minimum, so a block contributes
+//   scale_w * scale_x * sum(code * q) + minimum * scale_x * sum(q).
+// Every output element sums its blocks in one fixed order, whatever the number of rows in the
+// call or the threads that share it: a row's result does not depend on its batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kBlockBytes = 20;  // fp16 scale, fp16 minimum, 16 bytes of codes
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* v = x + r * k + b * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(static_cast<float>(v[i])));
+      const float scale = amax / 127.f;
+      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+      int sum = 0;
+      int8_t* out = q + r * k + b * kBlock;
+      for (int i = 0; i < kBlock; ++i) {
+        const int code = static_cast<int>(std::nearbyint(static_cast<float>(v[i]) * inverse));
+        out[i] = static_cast<int8_t>(code);
+        sum += code;
+      }
+      d[r * blocks + b] = scale;
+      s[r * blocks + b] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 low = _mm256_castps256_ps128(v);
+  low = _mm_add_ps(low, _mm256_extractf128_ps(v, 1));
+  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
+  low = _mm_add_ss(low, _mm_shuffle_ps(low, low, 1));
+  return _mm_cvtss_f32(low);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+// Tile: output rows per tile, so Tile independent accumulators per row of x (one would make
+// every block wait for the last one's multiply-add), each block of x loaded once for them.
+template <int Tile, typename T>
+void multiply(const int8_t* q, const float* d, const float* s, int64_t rows, int64_t k,
+              const uint8_t* weights, int64_t n, T* out) {
+  const int64_t blocks = k / kBlock, row_bytes = blocks * kBlockBytes;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    const __m256i low_mask = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    std::vector<__m256> acc(rows * Tile);
+    std::vector<float> offset(rows * Tile);
+    for (int64_t j0 = begin; j0 < end; j0 += Tile) {
+      const int tile = static_cast<int>(std::min<int64_t>(Tile, end - j0));
+      std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+      std::fill(offset.begin(), offset.end(), 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256i c[Tile];
+        float sw[Tile], mw[Tile];
+        for (int t = 0; t < tile; ++t) {
+          const uint8_t* block = weights + (j0 + t) * row_bytes + b * kBlockBytes;
+          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+          c[t] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_mask);
+          sw[t] = half_at(block);
+          mw[t] = half_at(block + 2);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
+          const float da = d[r * blocks + b], sa = s[r * blocks + b];
+          for (int t = 0; t < tile; ++t) {
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c[t], a), ones);
+            acc[r * Tile + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                                 _mm256_set1_ps(sw[t] * da), acc[r * Tile + t]);
+            offset[r * Tile + t] += mw[t] * sa;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int t = 0; t < tile; ++t)
+          out[r * n + j0 + t] =
+              static_cast<T>(horizontal_sum(acc[r * Tile + t]) + offset[r * Tile + t]);
+    }
+  });
+}
+
+template <typename T>
+at::Tensor linear_as(const at::Tensor& x, const at::Tensor& weights) {
+  const int64_t rows = x.size(0), k = x.size(1), n = weights.size(0), blocks = k / kBlock;
+  std::vector<int8_t> q(rows * k);
+  std::vector<float> d(rows * blocks), s(rows * blocks);
+  quantize_rows(x.data_ptr<T>(), rows, k, q.data(), d.data(), s.data());
+  at::Tensor out = at::empty({rows, n}, x.options());
+  // Measured on an AVX2 EPYC: 8 rows per tile is faster for one or a few rows of x; for many,
+  // 8 accumulators per row no longer fit the L1 cache beside x, and 4 is faster.
+  if (rows <= 8)
+    multiply<8>(q.data(), d.data(), s.data(), rows, k, weights.data_ptr<uint8_t>(), n,
+                out.data_ptr<T>());
+  else
+    multiply<4>(q.data(), d.data(), s.data(), rows, k, weights.data_ptr<uint8_t>(), n,
+                out.data_ptr<T>());
+  return out;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weights) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous matrix");
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kByte && weights.is_contiguous(),
+              "weights: a contiguous uint8 matrix of Q4_1 blocks");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0 && weights.size(1) == k / kBlock * kBlockBytes,
+              "weights: [rows, columns / 32 * 20] for x's columns");
+  if (x.scalar_type() == at::kBFloat16) return linear_as<at::BFloat16>(x, weights);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: bfloat16 or float32");
+  return linear_as<float>(x, weights);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve, m) {
+  m.def("q4_1_linear(Tensor x, Tensor weights) -> Tensor");
+  m.impl("q4_1_linear", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear));
+}

@@ -1,0 +1,115 @@
+"""pdserve's own Q4_1 kernel (pdserve/kernels/q4_1_avx2.cpp): its arithmetic, its invariance
+to the batch and the threads, its refusals, and how --q4-kernel is decided."""
+
+import pytest
+import torch
+
+from pdserve.kernels import native
+from pdserve.models.quantized import WIDE_ROWS, Q4Linear, make_linear, q4_blocks, rounded_to_8_bits
+
+
+@pytest.fixture(scope="module")
+def layer() -> Q4Linear:
+    gen = torch.Generator().manual_seed(0)
+    built = make_linear("q4", torch.randn(96, 160, generator=gen), None, q4_kernel="native")
+    assert isinstance(built, Q4Linear) and built.kernel == "native"
+    return built
+
+
+def _dense(layer: Q4Linear) -> torch.Tensor:
+    return layer.wide_weight().double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_multiplies_8_bit_activations_by_the_4_bit_weights(layer, dtype):
+    """Its result is (x rounded to int8 per block of 32) @ (code * scale + minimum).T, up to
+    float rounding, and comes back in x's dtype."""
+    x = torch.randn(7, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (7, 96)
+    expected = rounded_to_8_bits(x).double() @ _dense(layer).T
+    bound = (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
+    assert (got.double() - expected).abs().max() < bound
+    # Rounding the activations is what makes it differ from x @ W.T (about 1% of the result's
+    # scale), and it is far from a wrong layout, whose error is the result's own size.
+    plain = x.double() @ _dense(layer).T
+    assert (got.double() - plain).abs().max() < 0.05 * plain.abs().max()
+
+
+def test_the_weights_are_the_q4_1_blocks_as_given():
+    """The layer holds llama.cpp's block_q4_1 bytes; its weights are code * scale + minimum
+    with the fp16 scale and minimum those bytes hold."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(32, 64, generator=gen)
+    codes, scales, minimums = q4_blocks(weight)
+    layer = make_linear("q4", weight, None, q4_kernel="native")
+    assert layer.blocks.shape == (32, 2 * 20) and layer.blocks.dtype == torch.uint8
+    first = layer.blocks[0, :20]
+    assert first[:2].view(torch.float16).item() == scales[0, 0].half().item()
+    assert first[2:4].view(torch.float16).item() == minimums[0, 0].half().item()
+    assert first[4] == codes[0, 0] | (codes[0, 16] << 4)
+    scale, minimum = scales.half().float(), minimums.half().float()
+    expected = codes.float().view(32, 2, 32) * scale[..., None] + minimum[..., None]
+    assert torch.equal(layer.wide_weight(), expected.view(32, 64))
+
+
+def test_a_row_gets_the_same_result_in_any_batch_and_on_any_threads(layer):
+    x = torch.randn(33, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([layer(row[None]) for row in x])
+        torch.set_num_threads(2)
+        together = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+def test_a_wide_pass_computes_as_the_kernel_does(layer):
+    """From WIDE_ROWS rows up the layer multiplies in float32, by the same rounded activations:
+    only the order of the sums differs."""
+    x = torch.randn(WIDE_ROWS, 160, generator=torch.Generator().manual_seed(4))
+    by_kernel = torch.cat([layer(row[None]) for row in x])
+    wide = layer(x)
+    assert (wide - by_kernel).abs().max() < 1e-5 * by_kernel.abs().max()
+
+
+def test_bad_arguments_are_refused_with_a_message(layer):
+    op = torch.ops.pdserve.q4_1_linear
+    x = torch.randn(2, 160)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        op(x.double(), layer.blocks)
+    with pytest.raises(RuntimeError, match="for x's columns"):
+        op(torch.randn(2, 128), layer.blocks)
+    with pytest.raises(RuntimeError, match="contiguous matrix"):
+        op(torch.randn(160, 2).T, layer.blocks)
+    with pytest.raises(RuntimeError, match="uint8 matrix of Q4_1 blocks"):
+        op(x, layer.blocks.float())
+
+
+def test_native_is_refused_clearly_where_it_cannot_be_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_KERNEL_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert native.require("torch") == "torch"
+    with pytest.raises(native.KernelUnavailable, match="no C.. compiler"):
+        native.require("native")
+    with pytest.raises(ValueError, match="must be one of torch, native"):
+        native.require("auto")
+
+
+def test_install_built_the_library_for_this_source_and_torch():
+    assert native.library_path().is_file(), "scripts/install.sh builds the kernel"
+    assert native.require("native") == "native"
+
+
+def test_the_kernel_is_part_of_the_fingerprint():
+    """A decode on torch's kernel is another model to a prefill on the native one."""
+    from pdserve.models.loading import load_served_model
+
+    ours = load_served_model(
+        "smollm2-135m-instruct", weights=False, weight_format="q4", q4_kernel="native"
+    )
+    theirs = load_served_model("smollm2-135m-instruct", weights=False, weight_format="q4")
+    assert ours.config.q4_kernel == "native" and theirs.config.q4_kernel == "torch"
+    assert ours.fingerprint != theirs.fingerprint
