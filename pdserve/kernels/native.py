@@ -38,7 +38,10 @@ from pdserve.core.config import Q4_KERNELS
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4_1_avx2.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]
+# -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape
+# and not in another, and a row's result would depend on how many rows share its call.
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
+FLAGS += ["-std=c++20"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 BUILD_TIMEOUT_S = 600
 
