@@ -43,6 +43,13 @@ class FairLines(Generic[T]):
         client = self._next_client()
         if client is None:
             raise IndexError("pop from empty FairLines")
+        item = self.pop_from(client)
+        self._forget_idle()
+        return client, item
+
+    def pop_from(self, client: Hashable) -> T:
+        """Takes the first item of `client`'s line out of turn (KeyError when it has none); it
+        counts as that client's turn."""
         line = self._lines[client]
         item = line.popleft()
         if not line:
@@ -50,8 +57,11 @@ class FairLines(Generic[T]):
         self._count -= 1
         self._turn += 1
         self._served[client] = self._turn
-        self._forget_idle()
-        return client, item
+        return item
+
+    def clients(self) -> list[Hashable]:
+        """The clients with work waiting."""
+        return list(self._lines)
 
     def remove(self, item: T) -> bool:
         """Takes `item` out wherever it waits; True if it was waiting."""

@@ -66,6 +66,9 @@ class GenerateSpec:
     # The prefix caches find a block again only for requests with the same salt (the router's
     # --prefix-cache-scope client gives each client its own, so none can time another's).
     cache_salt: bytes = b""
+    # Who sent it, as the service that runs it tells clients apart ("" for one client): decode
+    # shares its batch between clients by it (engine/decode_scheduler.py).
+    client: str = ""
 
     @property
     def prompt_len(self) -> int:

@@ -3,15 +3,24 @@
 New sequences join between steps (up to max_batch running); finished and aborted ones leave and
 give their blocks back. `start` and `abort` may be called from any thread; `step` only from the
 engine thread, which alone marks a sequence aborted (cancellations.py).
+
+The batch is shared between clients (GenerateSpec.client). Sequences waiting to join take turns
+by client (fair_lines.py). And when every slot is taken while a client with fewer running
+sequences than its share (max_batch / the clients running or waiting) waits, the client running
+the most gives back its newest sequence, which waits, its blocks kept, to rejoin: a burst of one
+client's streams would otherwise hold every slot until they end, and another client's stream
+would get its first token (prefill's) and then nothing for as long. Alone, a client has every
+slot.
 """
 
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from pdserve.core.block_pool import BlockTable
+from pdserve.core.fair_lines import FairLines
 from pdserve.core.picked import Pick
 from pdserve.core.request import GenerateSpec
 from pdserve.engine.cancellations import Cancellations
@@ -31,7 +40,7 @@ class DecodeScheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_batch: int) -> None:
         self.runner, self.tokenizer, self.max_batch = runner, tokenizer, max_batch
         self.running: list[Sequence] = []
-        self._joining: deque[Sequence] = deque()
+        self._joining: FairLines[Sequence] = FairLines()  # by client, with their turns
         self._lock = threading.Lock()
         self.cancels: Cancellations[Sequence] = Cancellations()
 
@@ -54,7 +63,7 @@ class DecodeScheduler:
             table.release()
         else:
             with self._lock:
-                self._joining.append(seq)
+                self._joining.append(spec.client, seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -64,7 +73,7 @@ class DecodeScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self._joining) or self.cancels.pending
+        return bool(self.running or len(self._joining)) or self.cancels.pending
 
     @property
     def size(self) -> int:
@@ -107,22 +116,37 @@ class DecodeScheduler:
     def _admit(self) -> None:
         for seq in self.cancels.take():  # the engine thread is the only writer of `aborted`
             seq.aborted = True
+        self._leave()
         with self._lock:
-            while self._joining and len(self.running) < self.max_batch:
-                self.running.append(self._joining.popleft())
             # Aborted sequences still waiting to join leave now.
             for seq in [s for s in self._joining if s.done]:
                 self._joining.remove(seq)
                 seq.table.release()
+            self._share_full_batch()
+            while len(self._joining) and len(self.running) < self.max_batch:
+                self.running.append(self._joining.pop()[1])
         for seq in self.running:
-            if not seq.done:
-                seq.table.ensure(len(seq.tokens))
-        self._leave()
+            seq.table.ensure(len(seq.tokens))
+
+    def _share_full_batch(self) -> None:
+        """While every slot is taken and a waiting client runs fewer sequences than its share,
+        the client running the most (above its share) gives its newest sequence back to its
+        line, and the waiting one's first sequence takes the slot."""
+        while len(self.running) >= self.max_batch and len(self._joining):
+            running: Counter[Hashable] = Counter(s.spec.client for s in self.running)
+            share = max(1, self.max_batch // len(set(running) | set(self._joining.clients())))
+            under = [c for c in self._joining.clients() if running[c] < share]
+            heaviest, most = running.most_common(1)[0]
+            if not under or most <= share:
+                return
+            paused = next(s for s in reversed(self.running) if s.spec.client == heaviest)
+            self.running.remove(paused)
+            self._joining.put_back(heaviest, paused)
+            self.running.append(self._joining.pop_from(min(under, key=running.__getitem__)))
 
     def _admit_all(self) -> None:
         with self._lock:
-            self.running.extend(self._joining)
-            self._joining.clear()
+            self.running.extend(self._joining.clear())
 
     def _leave(self) -> None:
         leaving = [s for s in self.running if s.done]

@@ -140,9 +140,15 @@ def _check_client_request(request: pb.GenerateRequest, max_context: int) -> None
 
 
 def spec_from_internal(
-    request_id: str, token_ids, sampling: pb.SamplingParams, cache_salt: bytes = b""
+    request_id: str,
+    token_ids,
+    sampling: pb.SamplingParams,
+    cache_salt: bytes = b"",
+    client: str = "",
 ) -> GenerateSpec:
-    return GenerateSpec(request_id, tuple(token_ids), sampling_from_pb(sampling), cache_salt)
+    return GenerateSpec(
+        request_id, tuple(token_ids), sampling_from_pb(sampling), cache_salt, client
+    )
 
 
 def model_info_to_pb(served: ServedModel) -> pb.ModelInfo:

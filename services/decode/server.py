@@ -24,6 +24,7 @@ from pdserve.kv.receiver import KvReceiver
 from pdserve.kv.tcp_transport import DataPlaneLimits, DataPlaneServer
 from pdserve.models.loading import ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
+from pdserve.rpc.client_names import named_client
 from pdserve.rpc.errors import ServiceError
 from pdserve.rpc.server import (
     Admission,
@@ -74,7 +75,11 @@ class DecodeServicer:
         check_same_model(self.served, request.model_fingerprint, "the lease request")
         spec = validate(
             convert.spec_from_internal(
-                request.request_id, request.prompt_token_ids, request.sampling, request.cache_salt
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling,
+                request.cache_salt,
+                named_client(caller, request.client),  # whose share of the batch it takes
             ),
             self.config,
         )

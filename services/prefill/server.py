@@ -21,6 +21,7 @@ from pdserve.kv.sink import KvSink, KvTarget, KvTransferFailed
 from pdserve.kv.tcp_transport import TcpKvSink
 from pdserve.models.loading import ServedModel, check_same_model
 from pdserve.rpc import convert, model_info
+from pdserve.rpc.client_names import named_client
 from pdserve.rpc.errors import RateLimitedLog, ServiceError
 from pdserve.rpc.server import (
     Admission,
@@ -104,7 +105,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.on_broken()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        client = _client_of(request, context)
+        client = named_client(peer_host(context.peer()), request.client)
         self._refuse_unless_serving(request)
         with self.admission.track():
             metadata = context.invocation_metadata()
@@ -352,20 +353,6 @@ def _push_failed(request: pb.PrefillRequest, exc: KvTransferFailed, transport: s
         f"KV push to decode {request.decode_address} over {transport} failed: "
         f"{exc.code}: {exc.message}",
     )
-
-
-MAX_CLIENT_NAME_BYTES = 256
-
-
-def _client_of(request: pb.PrefillRequest, context) -> str:
-    """The caller's address with the client it names: the router's clients are told apart, and
-    a direct caller cannot pass for one of them (it has another address)."""
-    if len(request.client.encode()) > MAX_CLIENT_NAME_BYTES:
-        raise ServiceError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"client is longer than {MAX_CLIENT_NAME_BYTES} bytes",
-        )
-    return f"{peer_host(context.peer())} {request.client}"
 
 
 async def serve(served: ServedModel, settings: PrefillSettings) -> None:

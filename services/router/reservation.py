@@ -211,6 +211,7 @@ class ReservationLine:
                 model_fingerprint=self._decodes.model_fingerprint,
                 prefill_here=prefill_here,
                 cache_salt=spec.cache_salt,
+                client=inflight.client,
             ),
             timeout=inflight.remaining(),
             metadata=tracing.outgoing(inflight.trace),
