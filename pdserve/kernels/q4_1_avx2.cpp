@@ -68,6 +68,25 @@ inline __m256i codes_at(const uint8_t* block, __m256i low_mask) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_mask);
 }
 
+// Codes, scales and minimums of block b of `count` consecutive rows, the same block `ahead`
+// rows on prefetched (see tile).
+inline void load_block(const uint8_t* rows, int64_t row_bytes, int64_t b, int count, int ahead,
+                       __m256i low_mask, __m256i* c, float* sw, float* mw) {
+  for (int t = 0; t < count; ++t) {
+    const uint8_t* block = rows + t * row_bytes + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(block + ahead * row_bytes), _MM_HINT_T0);
+    c[t] = codes_at(block, low_mask);
+    sw[t] = half_at(block);
+    mw[t] = half_at(block + 2);
+  }
+}
+
+// acc + (the integer dot product of codes c and activations a) * scale, lane by lane.
+inline __m256 add_block(__m256 acc, __m256i c, __m256i a, float scale, __m256i ones) {
+  const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c, a), ones);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
+}
+
 // Rows R of x (quantised) times output rows T of W, over every block. R and T are constants
 // so that the R * T accumulators stay in registers: held in memory, every multiply-add would
 // wait on a store and a load, which made a batch-1 pass twice as slow as torch's kernel once
@@ -89,19 +108,12 @@ void tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i c[T];
     float sw[T], mw[T];
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* block = weights + t * row_bytes + b * kBlockBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + T * row_bytes), _MM_HINT_T0);
-      c[t] = codes_at(block, low_mask);
-      sw[t] = half_at(block);
-      mw[t] = half_at(block + 2);
-    }
+    load_block(weights, row_bytes, b, T, T, low_mask, c, sw, mw);
     for (int r = 0; r < R; ++r) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
       const float da = d[r * blocks + b], sa = s[r * blocks + b];
       for (int t = 0; t < T; ++t) {
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c[t], a), ones);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sw[t] * da), acc[r][t]);
+        acc[r][t] = add_block(acc[r][t], c[t], a, sw[t] * da, ones);
         offset[r][t] += mw[t] * sa;
       }
     }
@@ -153,20 +165,12 @@ void many_rows(const int8_t* q, const float* d, const float* s, int64_t rows, in
       for (int64_t b = 0; b < blocks; ++b) {
         __m256i c[Tile];
         float sw[Tile], mw[Tile];
-        for (int t = 0; t < tile; ++t) {
-          const uint8_t* block = weights + (j0 + t) * row_bytes + b * kBlockBytes;
-          _mm_prefetch(reinterpret_cast<const char*>(block + Tile * row_bytes), _MM_HINT_T0);
-          c[t] = codes_at(block, low_mask);
-          sw[t] = half_at(block);
-          mw[t] = half_at(block + 2);
-        }
+        load_block(weights + j0 * row_bytes, row_bytes, b, tile, Tile, low_mask, c, sw, mw);
         for (int64_t r = 0; r < rows; ++r) {
           const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
           const float da = d[r * blocks + b], sa = s[r * blocks + b];
           for (int t = 0; t < tile; ++t) {
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c[t], a), ones);
-            acc[r * Tile + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                                 _mm256_set1_ps(sw[t] * da), acc[r * Tile + t]);
+            acc[r * Tile + t] = add_block(acc[r * Tile + t], c[t], a, sw[t] * da, ones);
             offset[r * Tile + t] += mw[t] * sa;
           }
         }
