@@ -3,7 +3,7 @@
 Each kernel multiplies SmolLM2-135M's four fused matrices of a layer (q/k/v, o, gate/up, down)
 for each of its 30 layers, as one decode step does (without the head, int8 in both), at each
 batch size and thread count. Every layer has weights of its own (53 MB in all, more than the
-32 MB L3 of the EPYC these figures come from), so they are read from memory as a step reads
+32 MB L3 of the EPYCs measured), so they are read from memory as a step reads
 them, not 30 times from one layer's 1.8 MB in the cache. The layers are Q4Linear modules built
 from the same random weights, so both read the same Q4_1 blocks: torch's through
 torch._weight_int4pack_mm_for_cpu, pdserve's own through pdserve/kernels/q4_1_avx2.cpp. Each

@@ -4,8 +4,8 @@
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16 (the default)
   native  q4_1_avx2.cpp, on llama.cpp's own block_q4_1 bytes: activations rounded to int8 per
           block of 32 and integer dot products, as llama.cpp computes Q4_1. It needs x86-64
-          Linux with AVX2, FMA and F16C. Measured on an AVX2 EPYC it is as fast as torch's at
-          one row and slower from 4 (docs/measurements.md), so it is not the default.
+          Linux with AVX2, FMA and F16C. Measured on an AVX-512 EPYC it is as fast as torch's
+          at one row and slower from 4 (docs/measurements.md), so it is not the default.
 
 The two give slightly different logits, so the kernel is part of the model's fingerprint: a
 prefill and a decode on different kernels refuse each other's KV by name.
