@@ -140,7 +140,7 @@ class DecodeScheduler:
             if not under or most <= share:
                 return
             paused = next(s for s in reversed(self.running) if s.spec.client == heaviest)
-            self.running.remove(paused)
+            self.running = [s for s in self.running if s is not paused]  # not by value
             self._joining.put_back(heaviest, paused)
             self.running.append(self._joining.pop_from(min(under, key=running.__getitem__)))
 
