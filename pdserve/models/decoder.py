@@ -86,9 +86,9 @@ class DecoderOnly(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 whatever the weights' dtype, so sampling sees the same numbers everywhere.
-        Invariant float32 numerics give the head at least 4 rows, as PaddedRows does the other
-        layers: a tied head is no module for it to wrap."""
-        if self.config.numerics == "invariant" and x.dtype == torch.float32:
+        Invariant numerics give the head at least 4 rows, as PaddedRows does the other layers:
+        a tied head is no module for it to wrap."""
+        if self.config.numerics == "invariant":
             return with_min_rows(self.head, x).float()
         return self.head(x).float()
 

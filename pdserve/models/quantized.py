@@ -187,12 +187,15 @@ def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 class PaddedRows(nn.Module):
-    """A float32 dense layer that always multiplies at least MIN_ROWS rows (invariant numerics).
+    """A dense layer that always multiplies at least MIN_ROWS rows (invariant numerics).
 
-    Measured on this machine's torch: a float32 GEMM gives a row the same result from 4 rows up,
-    whatever the batch or the threads, but 1 to 3 rows take another kernel with other results.
-    So a decode step of one sequence is padded to 4 rows. The int8 and int4 kernels, and the
-    bfloat16 GEMM, were measured row-invariant from one row, and are left as they are."""
+    Measured with torch 2.13's CPU build: a float32 GEMM gives a row the same result from 4 rows
+    up, whatever the batch or the threads, but 1 to 3 rows take another kernel with other
+    results. A bfloat16 GEMM with a long reduction (SmolLM2's down projection, 1536 inputs) does
+    the same on an AVX-512 host from 2 rows up, but not at 1 (about one output in 576 rounds
+    the other way); an AVX2 host gave the same bits from one row. So a decode step of one
+    sequence is padded to 4 rows in either dtype. The int8 and int4 kernels were measured
+    row-invariant from one row, and are left as they are."""
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()

@@ -64,8 +64,8 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
 
 
 def with_numerics(model: DecoderOnly, numerics: str) -> DecoderOnly:
-    """Invariant numerics: every q4 pass on the int4 kernel, every float32 dense layer given at
-    least 4 rows (quantized.py says why); fast numerics change nothing. Attention reads the
+    """Invariant numerics: every q4 pass on the int4 kernel, every dense layer given at least 4
+    rows (quantized.py says why); fast numerics change nothing. Attention reads the
     setting from the config (attention.kernels)."""
     if numerics != "invariant":
         return model
@@ -73,7 +73,7 @@ def with_numerics(model: DecoderOnly, numerics: str) -> DecoderOnly:
         for name, child in parent.named_children():
             if isinstance(child, Q4Linear):
                 child.wide_rows = None
-            elif isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+            elif isinstance(child, nn.Linear):
                 setattr(parent, name, PaddedRows(child))
     return model
 
