@@ -92,7 +92,7 @@ KV_TRANSFERS = Counter(
 )
 QUEUE_DEPTH = Gauge(
     "pdserve_queue_depth",
-    "Requests waiting (router: for decode room; prefill: for a batch)",
+    "Requests waiting (router: for decode room or a prefill call; prefill: for a batch)",
     ["service"],
 )
 PREFILL_QUEUED_TOKENS = Gauge(

@@ -340,7 +340,16 @@ class RouterSettings:
         "robin over per-client lines), so one waits behind another's burst for one turn, not "
         "for all of it",
     )
-    queue_timeout_seconds: float = setting(30.0, "longest wait for decode room")
+    queue_timeout_seconds: float = setting(
+        30.0, "longest wait for decode room, and for a prefill call (--prefill-calls-per-instance)"
+    )
+    prefill_calls: int = setting(
+        64,
+        "Prefill calls this router keeps in progress at one prefill instance; more wait in line "
+        "(clients taking turns, as for decode room) instead of failing. Set it to that "
+        "instance's --max-concurrent-prefills, divided by the routers that share it",
+        flag="prefill-calls-per-instance",
+    )
     max_migrations: int = setting(
         2,
         "times a request whose decode instance fails mid-stream moves to another pair and "
@@ -430,7 +439,12 @@ class RouterSettings:
             )
         _host_ports(self, "prefill", "decode")
         _positive(
-            self, "max_queue", "queue_timeout_seconds", "max_attempts", "request_timeout_seconds"
+            self,
+            "max_queue",
+            "queue_timeout_seconds",
+            "prefill_calls",
+            "max_attempts",
+            "request_timeout_seconds",
         )
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port {self.http_port}: expected 0 (off) or a port")

@@ -2,7 +2,7 @@
 
 A burst from one client then delays another client's next item by at most one item per other
 client with work waiting, not by the whole burst (the router's admission does the same for
-decode room: services/router/reservation.py). Within a line, first come first served. Not
+decode room and for prefill calls: services/router/reservation.py, prefill_slots.py). Within a line, first come first served. Not
 thread-safe: the caller holds its own lock.
 """
 
@@ -43,9 +43,7 @@ class FairLines(Generic[T]):
         client = self._next_client()
         if client is None:
             raise IndexError("pop from empty FairLines")
-        item = self.pop_from(client)
-        self._forget_idle()
-        return client, item
+        return client, self.pop_from(client)
 
     def pop_from(self, client: Hashable) -> T:
         """Takes the first item of `client`'s line out of turn (KeyError when it has none); it
@@ -55,9 +53,17 @@ class FairLines(Generic[T]):
         if not line:
             del self._lines[client]
         self._count -= 1
+        self.count_turn(client)
+        return item
+
+    def count_turn(self, client: Hashable) -> None:
+        """`client` was just served (also without waiting): the others go before it next."""
         self._turn += 1
         self._served[client] = self._turn
-        return item
+        self._forget_idle()
+
+    def waiting_for(self, client: Hashable) -> int:
+        return len(self._lines.get(client, ()))
 
     def clients(self) -> list[Hashable]:
         """The clients with work waiting."""

@@ -21,6 +21,7 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.services.router.backends import BackendSet, Instance
 from pdserve.services.router.errors import RETRYABLE, HandoffFailed, RouterError
 from pdserve.services.router.local_prefill import LocalPrefill
+from pdserve.services.router.prefill_slots import PrefillSlots
 from pdserve.services.router.phases import RoomWait, phase_items, request_phases
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.services.router.reservation import Inflight, Reservation, ReservationLine
@@ -45,7 +46,8 @@ class Finished:
 
 
 class Attempts:
-    """What every attempt needs: the instances, the reservation line, the placement rules."""
+    """What every attempt needs: the instances, the reservation line, the prefill calls' limit,
+    the placement rules."""
 
     def __init__(
         self,
@@ -55,9 +57,11 @@ class Attempts:
         line: ReservationLine,
         local_prefill: LocalPrefill,
         prefix_index: PrefixIndex,
+        prefill_slots: PrefillSlots,
     ) -> None:
         self.served, self.prefills, self.decodes, self.line = served, prefills, decodes, line
         self.local_prefill, self.prefix_index = local_prefill, prefix_index
+        self.prefill_slots = prefill_slots
 
     async def run(self, inflight: Inflight, attempt: int, avoid: set[str]):
         """One attempt's responses: the tokens as they come, then the final response."""
@@ -70,11 +74,18 @@ class Attempts:
             prefill_call: asyncio.Future = asyncio.get_running_loop().create_future()
             prefill_call.set_result(pb.PrefillResponse())
         else:
-            prefill = self._pick_prefill(
-                inflight, avoid
-            )  # first: a reservation must not be left behind
-            reservation = await self.line.reserve(inflight, avoid)
+            # The prefill and its call first: a reservation must not be left waiting for them.
+            prefill = self._pick_prefill(inflight, avoid)
+            slot = await self.prefill_slots.take(
+                prefill.address, inflight.client, inflight.deadline
+            )
+            try:
+                reservation = await self.line.reserve(inflight, avoid)
+            except BaseException:
+                slot.give_back()
+                raise
             prefill_call = self._start_prefill(inflight, prefill, reservation)
+            prefill_call.add_done_callback(lambda _call: slot.give_back())
         room = RoomWait(asked_for_room - inflight.received, time.perf_counter() - asked_for_room)
         try:
             async for event in self._relay(reservation, prefill_call, prefill):

@@ -2,23 +2,23 @@
 clients.
 
 While no decode instance has room, requests wait in line, one line per client (its API key, else
-its address: services/router/clients.py), each first come first served. Only one request polls
-decode (with backoff), so a full pool is not hammered by every waiting request: the head of the
-line of the client served least recently. So clients take turns at the room that frees (round
-robin), and a client with a burst queued cannot make another wait behind all of it; and each
-client may have only its share of the queue waiting (--max-queue-share-per-client), so none
-can fill it.
+its address: services/router/clients.py). Only one request polls decode (with backoff), so a
+full pool is not hammered by every waiting request: the one whose turn it is
+(pdserve/core/fair_lines.py: the client served least recently). So
+clients take turns at the room that frees, and a client with a burst queued cannot make another
+wait behind all of it; and each client may have only its share of the queue waiting
+(--max-queue-share-per-client), so none can fill it.
 """
 
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve import tracing
+from pdserve.core.fair_lines import FairLines
 from pdserve.core.request import GenerateSpec
 from pdserve.rpc import convert
 from pdserve.settings import RouterSettings
@@ -33,9 +33,6 @@ log = logging.getLogger(__name__)
 FIRST_BACKOFF_SECONDS = 0.005
 MAX_BACKOFF_SECONDS = 0.1
 RESERVE_TIMEOUT_SECONDS = 5.0  # a healthy decode answers a reservation in about a millisecond
-# Clients whose last reservation is remembered, for whose turn it is; one forgotten counts as
-# served long ago, which it was.
-CLIENTS_REMEMBERED = 1024
 
 
 class _Unreachable(Exception):
@@ -73,11 +70,13 @@ class ReservationLine:
         self, decodes: BackendSet[pb_grpc.DecodeServiceStub], settings: RouterSettings
     ) -> None:
         self._decodes, self._settings = decodes, settings
-        self.queued = 0  # requests waiting in line for decode room, every client's
-        self._lines: dict[str, deque[asyncio.Event]] = {}  # per client, oldest first
+        self._lines: FairLines[asyncio.Event] = FairLines()
         self._poller: asyncio.Event | None = None  # the one waiting request that polls
-        self._served = 0  # reservations made, counted: when each client last got one
-        self._last_served: OrderedDict[str, int] = OrderedDict()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in line for decode room, every client's."""
+        return len(self._lines)
 
     async def reserve(
         self, inflight: Inflight, avoid: set[str], prefill_here: bool = False
@@ -91,54 +90,38 @@ class ReservationLine:
         if self.queued == 0:
             reservation = await self._try_all(inflight, avoid, prefill_here)
             if reservation is not None:
-                self._served_now(client)
+                self._lines.count_turn(client)
                 return reservation
         if self.queued >= self._settings.max_queue:
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"router queue is full ({self._settings.max_queue} waiting)",
             )
-        line = self._lines.setdefault(client, deque())
-        if len(line) >= self._settings.max_queue_per_client:
+        if (waiting := self._lines.waiting_for(client)) >= self._settings.max_queue_per_client:
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"client {client!r} has {len(line)} requests waiting for decode room, the most "
+                f"client {client!r} has {waiting} requests waiting for decode room, the most "
                 f"one client may have (--max-queue-share-per-client "
                 f"{self._settings.max_queue_share_per_client:g} of --max-queue "
                 f"{self._settings.max_queue})",
             )
         give_up = min(time.monotonic() + self._settings.queue_timeout_seconds, inflight.deadline)
         me = asyncio.Event()
-        line.append(me)
-        self.queued += 1
+        self._lines.append(client, me)
         self._choose_poller()
         try:
             reservation = await self._wait_and_poll(me, inflight, avoid, give_up, prefill_here)
-            self._served_now(client)
+            self._lines.count_turn(client)
             return reservation
         finally:
-            line.remove(me)
-            if not line:
-                del self._lines[client]
-            self.queued -= 1
+            self._lines.remove(me)
             self._choose_poller()
 
     def _choose_poller(self) -> None:
-        """Wakes the request that polls next: the head of the line of the client served least
-        recently (a client never served, or not for long, first; ties: the older line)."""
-        if not self._lines:
-            self._poller = None
-            return
-        client = min(self._lines, key=lambda c: self._last_served.get(c, -1))
-        self._poller = self._lines[client][0]
-        self._poller.set()
-
-    def _served_now(self, client: str) -> None:
-        self._served += 1
-        self._last_served[client] = self._served
-        self._last_served.move_to_end(client)
-        if len(self._last_served) > CLIENTS_REMEMBERED:
-            self._last_served.popitem(last=False)
+        """Wakes the request that polls next: the one whose turn it is."""
+        self._poller = self._lines.peek()
+        if self._poller is not None:
+            self._poller.set()
 
     async def _wait_and_poll(
         self,

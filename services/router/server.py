@@ -52,6 +52,7 @@ from pdserve.services.router.errors import (
     public_message,
 )
 from pdserve.services.router.policy import make_policy
+from pdserve.services.router.prefill_slots import PrefillSlots
 from pdserve.services.router.reservation import Inflight, ReservationLine
 
 log = logging.getLogger(__name__)
@@ -93,9 +94,21 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.clients = ClientLimits(
             settings.max_streams_per_client, settings.max_tokens_per_second_per_client
         )
+        self.prefill_slots = PrefillSlots(settings)
         self.attempts = Attempts(
-            served, self.prefills, self.decodes, self.line, self.local_prefill, self.prefix_index
+            served,
+            self.prefills,
+            self.decodes,
+            self.line,
+            self.local_prefill,
+            self.prefix_index,
+            self.prefill_slots,
         )
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in the router: for decode room, or for a prefill call."""
+        return self.line.queued + self.prefill_slots.waiting
 
     async def Generate(self, request: pb.GenerateRequest, context):
         responses = self.generate(
@@ -340,8 +353,8 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
     model_info.add_to_server(served, server.grpc)
     reflection.enable(server.grpc, "RouterService", "ModelInfoService")
     metrics.start(settings.common.metrics_port, settings.common.host)
-    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.line.queued)
-    metrics.watch_load("router", lambda: servicer.decodes.load(waiting=servicer.line.queued))
+    metrics.QUEUE_DEPTH.labels("router").set_function(lambda: servicer.waiting)
+    metrics.watch_load("router", lambda: servicer.decodes.load(waiting=servicer.waiting))
     refresher = asyncio.create_task(servicer.refresh_forever(server))
     http = None
     if settings.http_port:
