@@ -169,6 +169,14 @@ class DecodeSettings:
         "together; beyond it a reservation is refused (RESOURCE_EXHAUSTED), so callers that "
         "reserve and never send KV cannot take every block",
     )
+    max_pool_share_per_client: float = setting(
+        0.9,
+        "share of the pool's blocks that one client's requests (an API key at the router, "
+        "else an address) may hold together, waiting for KV or decoding; beyond it that client "
+        "waits for room (RESOURCE_EXHAUSTED to the router, which queues it) while the rest is "
+        "left for other clients, so that one client's burst cannot make another wait for its "
+        "streams to end. 1: no share kept back",
+    )
     max_kv_streams: int = setting(
         0,
         "DecodeService.PushKv streams received at once; more are refused at once "
@@ -233,6 +241,10 @@ class DecodeSettings:
         if not 0 < self.max_pending_lease_share <= 1:
             raise ValueError(
                 f"--max-pending-lease-share {self.max_pending_lease_share}: expected (0, 1]"
+            )
+        if not 0 < self.max_pool_share_per_client <= 1:
+            raise ValueError(
+                f"--max-pool-share-per-client {self.max_pool_share_per_client}: expected (0, 1]"
             )
         if not -1 <= self.kv_data_port <= 65535:
             raise ValueError(f"--kv-data-port {self.kv_data_port}: expected -1, 0 or a port")

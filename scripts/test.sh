@@ -16,6 +16,14 @@ if ! command -v curl >/dev/null; then
   apt-get install -y -q curl >/dev/null 2>&1 || \
     { apt-get update -q >/dev/null && apt-get install -y -q curl >/dev/null; }
 fi
+# The compose file's own test reads it as Compose does (`docker-compose config`): the CLI from
+# Debian's packages, before the suite starts (the container stage installs the engine itself).
+if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then
+  echo "installing Debian's docker-compose package for the compose file's test"
+  apt-get install -y -q --no-install-recommends docker-compose >/dev/null 2>&1 || \
+    { apt-get update -q >/dev/null \
+      && apt-get install -y -q --no-install-recommends docker-compose >/dev/null; }
+fi
 # Lint, format and type checks first: seconds, and a clear message before the long run.
 .venv/bin/ruff check pdserve services tests bench
 .venv/bin/ruff format --check pdserve services tests bench

@@ -28,11 +28,16 @@ class PendingLimit(PoolExhausted):
     """Leases still waiting for their KV already hold the share of the pool they may hold."""
 
 
+class ClientLimit(PoolExhausted):
+    """One client's leases already hold the share of the pool one client may hold."""
+
+
 @dataclass(frozen=True)
 class LeaseLimits:
     ttl: float  # seconds from grant to commit
     first_chunk: float  # seconds from grant to the first chunk
     pending_share: float  # of the pool's blocks, that uncommitted leases may hold together
+    client_share: float = 1.0  # of the pool's blocks, that one client's leases may hold
 
 
 class LeaseState(Enum):
@@ -83,6 +88,9 @@ class LeaseTable:
         refusal = self._over_share(caller, wanted, limits.pending_share)
         if refusal:
             raise PendingLimit(refusal)
+        refusal = self._over_client_share(spec.client, wanted, limits.client_share)
+        if refusal:
+            raise ClientLimit(refusal)
         # With a prefix cache, the table starts with the prompt's longest cached prefix (its KV
         # is not sent again), and its blocks may stay cached once the KV is in.
         table = self.pool.reserve(
@@ -133,6 +141,27 @@ class LeaseTable:
             f"share of {share} blocks (the pending share of {pending_share:g}, "
             f"--max-pending-lease-share, split between {callers} callers)"
         )
+
+    def _over_client_share(self, client: str, wanted: int, client_share: float) -> str:
+        """Why `client` may not reserve `wanted` more blocks now, or "" when it may.
+
+        One client's leases, waiting for KV or decoding, may hold at most --max-pool-share-per-
+        client of the pool. What is left over is room that another client's request finds at
+        once: without it, a burst that fills the pool makes the next client wait for the
+        burst's first stream to end, however short its own request (bench/fairness.py). A
+        client's first lease is let in whatever its size, as for the pending share."""
+        held = sum(lease.table.capacity_blocks for lease in self._by_client(client))
+        cap = int(client_share * self.pool.num_blocks)
+        if not held or held + wanted <= cap:
+            return ""
+        return (
+            f"KV pool full for this client: its leases hold {held} of {self.pool.num_blocks} "
+            f"blocks; this one needs {wanted}, over one client's share of {cap} "
+            f"(--max-pool-share-per-client {client_share:g})"
+        )
+
+    def _by_client(self, client: str) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.spec.client == client]
 
     def for_push(self, lease_id: str) -> Lease:
         """The lease a KV chunk or commit names, if it may still receive KV."""

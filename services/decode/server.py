@@ -92,9 +92,13 @@ class DecodeServicer:
         if 0 < request.lease_ttl_seconds < ttl:  # a caller may shorten the lease, not lengthen it
             ttl = request.lease_ttl_seconds
         limits = LeaseLimits(
-            ttl, self.settings.lease_first_chunk_seconds, self.settings.max_pending_lease_share
+            ttl,
+            self.settings.lease_first_chunk_seconds,
+            self.settings.max_pending_lease_share,
+            self.settings.max_pool_share_per_client,
         )
-        # NeverFits, PoolExhausted: errors.py. The pending share is the caller's own.
+        # NeverFits, PoolExhausted: errors.py. The pending share is the caller's own, the pool
+        # share the client's.
         lease = self.leases.grant(spec, limits, sink, caller)
         cached = self._looked_up(spec, lease.table)
         log.debug(

@@ -1,0 +1,90 @@
+"""One client's leases hold at most --max-pool-share-per-client of decode's pool, so another
+client's request finds room at once instead of waiting for the first one's streams to end. Over
+real gRPC to a decode instance, the clients named as the router names them."""
+
+import signal
+
+import grpc
+import pytest
+
+from procs import start_service, wait_until
+from pdserve.models.loading import load_served_model
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+MODEL = load_served_model("tinygpt", weights=False).fingerprint
+BLOCKS = 64  # of 16 tokens
+BIG = 240  # output tokens: with a 16-token prompt, 16 blocks, a quarter of the pool
+
+
+def _decode(tmp_path, share: str):
+    return start_service(
+        "decode",
+        "--torch-threads",
+        "1",
+        "--num-blocks",
+        str(BLOCKS),
+        "--prefix-cache",
+        "false",
+        "--max-pending-lease-share",
+        "1",  # these leases never get KV: only the pool share is tested
+        "--max-pool-share-per-client",
+        share,
+        tmp_dir=str(tmp_path),
+    )
+
+
+def _reserve(stub, client: str, name: str, max_tokens: int):
+    """The reservation call (kept open: closing it frees the lease) and its first answer."""
+    call = stub.Decode(
+        pb.DecodeRequest(
+            request_id=name,
+            prompt_token_ids=list(range(1, 17)),
+            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            model_fingerprint=MODEL,
+            client=client,
+        ),
+        timeout=30,
+    )
+    try:
+        return call, next(call)
+    except grpc.RpcError as exc:
+        return call, exc
+
+
+@pytest.mark.parametrize("share, a_leases, b_finds_room", [("0.9", 3, True), ("1", 4, False)])
+def test_one_clients_burst_leaves_room_for_another(tmp_path, share, a_leases, b_finds_room):
+    """A reserves 16-block leases until refused: at 0.9 of 64 blocks it holds 3 (48; a fourth
+    would make 64 > 57) and B's 2-block request is granted at once; with no share kept back A
+    takes the whole pool and B is refused."""
+    decode = _decode(tmp_path, share)
+    calls = []
+    try:
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            granted, refusal = 0, None
+            for i in range(5):
+                call, answer = _reserve(stub, "a", f"a{i}", BIG)
+                calls.append(call)
+                if isinstance(answer, grpc.RpcError):
+                    refusal = answer
+                    break
+                granted += 1
+            assert granted == a_leases and refusal is not None
+            assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if b_finds_room:
+                assert "--max-pool-share-per-client 0.9" in refusal.details()
+            call, answer = _reserve(stub, "b", "b0", 8)
+            calls.append(call)
+            assert isinstance(answer, pb.DecodeResponse) is b_finds_room, answer
+            for call in calls:
+                call.cancel()
+            wait_until(
+                lambda: (
+                    stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5).free_blocks == BLOCKS
+                ),
+                10,
+                "every block back",
+            )
+    finally:
+        decode.stop(signal.SIGKILL)
