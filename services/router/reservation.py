@@ -72,6 +72,7 @@ class ReservationLine:
         self._decodes, self._settings = decodes, settings
         self._lines: FairLines[asyncio.Event] = FairLines()
         self._poller: asyncio.Event | None = None  # the one waiting request that polls
+        self._backoff = FIRST_BACKOFF_SECONDS  # the line's: between one poll and the next
 
     @property
     def queued(self) -> int:
@@ -111,6 +112,7 @@ class ReservationLine:
         self._choose_poller()
         try:
             reservation = await self._wait_and_poll(me, inflight, avoid, give_up, prefill_here)
+            self._backoff = FIRST_BACKOFF_SECONDS
             self._lines.count_turn(client)
             return reservation
         finally:
@@ -131,8 +133,11 @@ class ReservationLine:
         give_up: float,
         prefill_here: bool,
     ) -> Reservation:
-        """Waits while another request polls; polls, with backoff, while this one is the poller."""
-        backoff = FIRST_BACKOFF_SECONDS
+        """Waits while another request polls; polls while this one is the poller, and after each
+        poll that finds no room, waits the line's backoff and hands the poll to the next turn.
+        Decode may refuse one client only (its share of the pool, --max-pool-share-per-client),
+        so a client whose poll fails must not keep the others from trying: as one poller per
+        line, it held another client's request for 3 s (bench/fairness.py)."""
         while True:
             if self._poller is not me:
                 me.clear()
@@ -144,10 +149,12 @@ class ReservationLine:
             reservation = await self._try_all(inflight, avoid, prefill_here)
             if reservation is not None:
                 return reservation
-            if time.monotonic() + backoff > give_up:
+            if time.monotonic() + self._backoff > give_up:
                 raise self._no_room(inflight, give_up)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            await asyncio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF_SECONDS)
+            self._lines.count_turn(inflight.client)  # a turn had, if without room
+            self._choose_poller()
 
     async def _try_all(
         self, inflight: Inflight, avoid: set[str], prefill_here: bool
