@@ -119,8 +119,9 @@ QUEUE_SECONDS = Histogram(
 )
 PHASE_SECONDS = Histogram(
     "pdserve_request_phase_seconds",
-    "A request's time to first token in phases (routing, decode_room, prefill_queue, "
-    "prefill_compute, transfer_after_compute, relay), and first_decode_step after it; see "
+    "A request's time to first token in phases (routing, decode_room, prefill_call, "
+    "prefill_queue, prefill_compute, transfer_after_compute, relay), and first_decode_step "
+    "after it; see "
     "RequestPhases in proto/pdserve/v1",
     ["service", "phase"],
     buckets=LATENCY_BUCKETS,

@@ -5,8 +5,9 @@ without it nothing is imported and every call here returns at once, so tracing c
 when it is off. The trace context travels in gRPC metadata as W3C `traceparent`.
 
   router   "pdserve.request" from receipt to the last token, and under it the phases of the time
-           to first token laid end to end (routing, decode_room, prefill_queue, prefill_compute,
-           transfer_after_compute, relay; services/router/phases.py), then "streaming"
+           to first token laid end to end (routing, decode_room, prefill_call, prefill_queue,
+           prefill_compute, transfer_after_compute, relay; services/router/phases.py), then
+           "streaming"
   prefill  "pdserve.prefill": its Prefill call
   decode   "pdserve.decode": its Decode call, from the reservation to the last token
 

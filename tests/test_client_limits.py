@@ -30,7 +30,11 @@ RATE_PER_S = "5"
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("client-limits"))
-    decode = start_service("decode", "--torch-threads", "1", tmp_dir=tmp)
+    # The whole pool for one client: these tests fill it to test the router's own lines. Decode's
+    # share per client, which keeps room back for another, is tests/test_pool_shares.py's.
+    decode = start_service(
+        "decode", "--torch-threads", "1", "--max-pool-share-per-client", "1", tmp_dir=tmp
+    )
     prefill = start_service("prefill", "--torch-threads", "1", tmp_dir=tmp)
     yield prefill, decode, tmp
     prefill.stop()
@@ -280,7 +284,7 @@ def test_a_clients_burst_cannot_fill_the_queue_nor_make_another_wait_behind_it(r
     metrics_port = free_port()
     stack = router_with("--api-key", KEYS, "--metrics-port", str(metrics_port))
     share = 128  # --max-queue-share-per-client 0.5 of --max-queue 256
-    long, short = greedy_request([9] * 8, 4088), greedy_request([1, 2, 3], 2)  # 256 blocks, 1
+    long, short = greedy_request([9] * 8, 4088), greedy_request([1, 2, 3], 12)  # 256 blocks, 1
 
     def queued() -> int:
         url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -317,16 +321,18 @@ def test_a_clients_burst_cannot_fill_the_queue_nor_make_another_wait_behind_it(r
                 bob = stub.Generate(short, timeout=30, metadata=as_client("key-of-bob"))
                 await until(lambda: queued() == share + 1, 5, "Bob's request to wait in line")
                 running[0].cancel()  # one room frees
-                tokens = await asyncio.wait_for(_tokens(bob), 5)
-                assert len(tokens) == 2
-                assert queued() == share  # Alice's burst still waits: none of it went first
+                first = await asyncio.wait_for(bob.read(), 5)
+                # While Bob's stream holds its block, the room left is one block short of
+                # Alice's next: none of her burst went before him. (Once his stream ends, her
+                # next one may take the room at once.)
+                assert queued() == share
+                tokens = list(first.token_ids)
+                while (response := await asyncio.wait_for(bob.read(), 5)) is not grpc.aio.EOF:
+                    tokens.extend(response.token_ids)
+                assert len(tokens) == 12
             finally:
                 for call in running + burst:
                     call.cancel()
                 await asyncio.gather(*reads, return_exceptions=True)
 
     asyncio.run(scenario())
-
-
-async def _tokens(call) -> list[int]:
-    return [t async for response in call for t in response.token_ids]

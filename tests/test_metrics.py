@@ -202,7 +202,8 @@ def test_bench_summary_agrees_with_the_servers_metrics(metered_stack, tmp_path):
         assert summary["ttft_seconds"][f"p{q}"] >= low  # the client sees the token later
 
 
-PHASES = ("routing", "decode_room", "prefill_queue", "prefill_compute", "transfer_after_compute")
+PHASES = ("routing", "decode_room", "prefill_call", "prefill_queue", "prefill_compute")
+PHASES += ("transfer_after_compute",)
 PHASES += ("relay",)  # together they tile the time to first token; first_decode_step follows it
 
 

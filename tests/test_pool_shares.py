@@ -3,11 +3,12 @@ client's request finds room at once instead of waiting for the first one's strea
 real gRPC to a decode instance, the clients named as the router names them."""
 
 import signal
+import urllib.request
 
 import grpc
 import pytest
 
-from procs import start_service, wait_until
+from procs import Stack, free_port, greedy_request, start_router, start_service, wait_until
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -88,3 +89,61 @@ def test_one_clients_burst_leaves_room_for_another(tmp_path, share, a_leases, b_
             )
     finally:
         decode.stop(signal.SIGKILL)
+
+
+def test_a_client_refused_its_share_does_not_hold_another_clients_request(tmp_path):
+    """Through the router, with decode's default share (0.9 of 1,024 blocks). Alice's 3 long
+    streams hold 768 blocks and her 4th waits in the router's line: decode refuses it her share.
+    Bob's requests find room whenever they come. His second comes after his first was served,
+    so Alice is the client served least recently, and her refused request polls decode first;
+    a failed poll of a client that holds room passes the next poll to another client, so Bob's
+    request is served at once. Otherwise it waited for one of Alice's streams to end."""
+    tmp = str(tmp_path)
+    decode = start_service("decode", "--torch-threads", "1", "--num-blocks", "1024", tmp_dir=tmp)
+    prefill = start_service("prefill", "--torch-threads", "1", tmp_dir=tmp)
+    metrics_port = free_port()
+    router = start_router(
+        [prefill],
+        [decode],
+        "--api-key",
+        "key-a,key-b",
+        "--metrics-port",
+        str(metrics_port),
+        tmp_dir=tmp,
+    )
+    stack = Stack(router, [prefill], [decode])
+    alice, bob = ([("authorization", f"Bearer key-{who}")] for who in "ab")
+    long_stream = greedy_request([9] * 8, 4088)  # 256 blocks, thousands of steps
+    streams = []
+    try:
+        stub = stack.router_stub()
+        for _ in range(3):
+            streams.append(stub.Generate(long_stream, timeout=120, metadata=alice))
+            next(streams[-1])  # its first token: it holds its room
+        streams.append(stub.Generate(long_stream, timeout=120, metadata=alice))
+        wait_until(lambda: _router_waiting(metrics_port) == 1, 10, "Alice's 4th to wait in line")
+        for _ in range(2):
+            tokens = [
+                t
+                for response in stub.Generate(
+                    greedy_request([1, 2, 3], 2), timeout=60, metadata=bob
+                )
+                for t in response.token_ids
+            ]
+            assert len(tokens) == 2
+        assert not any(stream.done() for stream in streams), "Bob waited for Alice's streams"
+    finally:
+        for stream in streams:
+            stream.cancel()
+        wait_until(stack.pools_settled, 30, "the decode pool to be whole again")
+        stack.stop()
+
+
+def _router_waiting(metrics_port: int) -> int:
+    """The router's pdserve_queue_depth: requests waiting for decode room or a prefill call."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith('pdserve_queue_depth{service="router"}'):
+                return int(float(line.split()[-1]))
+    return -1

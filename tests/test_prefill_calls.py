@@ -18,14 +18,9 @@ from pdserve.settings import CommonSettings, RouterSettings
 ADDRESS = "prefill:1"
 
 
-def _slots(calls: int, timeout: float = 30.0, max_queue: int = 256) -> PrefillSlots:
+def _slots(calls: int, timeout: float = 30.0) -> PrefillSlots:
     return PrefillSlots(
-        RouterSettings(
-            CommonSettings(),
-            prefill_calls=calls,
-            queue_timeout_seconds=timeout,
-            max_queue=max_queue,
-        )
+        RouterSettings(CommonSettings(), prefill_calls=calls, queue_timeout_seconds=timeout)
     )
 
 
@@ -98,26 +93,6 @@ def test_a_wait_is_bounded_and_a_request_that_left_passes_its_place_on():
             await gone
         assert slots.in_progress(ADDRESS) == 0
         (await slots.take(ADDRESS, "d", time.monotonic() + 60)).give_back()
-
-    asyncio.run(run())
-
-
-def test_waiting_is_bounded_per_client():
-    async def run() -> None:
-        slots = _slots(1, max_queue=4)  # a client may have half of it waiting
-        held = await slots.take(ADDRESS, "a", time.monotonic() + 60)
-        waiting = [
-            asyncio.create_task(slots.take(ADDRESS, "a", time.monotonic() + 60)) for _ in range(2)
-        ]
-        await _until(lambda: slots.waiting == 2)
-        with pytest.raises(RouterError) as refused:
-            await slots.take(ADDRESS, "a", time.monotonic() + 60)
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--max-queue-share-per-client" in refused.value.args[0]
-        held.give_back()
-        for task in waiting:
-            (await task).give_back()
-        assert slots.in_progress(ADDRESS) == 0
 
     asyncio.run(run())
 

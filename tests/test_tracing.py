@@ -12,7 +12,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from procs import free_port, generate, greedy_request, start_stack, wait_until
 
-TILING = ("routing", "decode_room", "prefill_queue", "prefill_compute")
+TILING = ("routing", "decode_room", "prefill_call", "prefill_queue", "prefill_compute")
 TILING += ("transfer_after_compute", "relay", "streaming")
 
 

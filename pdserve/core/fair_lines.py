@@ -29,13 +29,15 @@ class FairLines(Generic[T]):
         self._lines.setdefault(client, deque()).appendleft(item)
         self._count += 1
 
-    def _next_client(self) -> Hashable | None:
+    def _next_client(self, passing: Hashable | None = None) -> Hashable | None:
         # A client never served (or forgotten) goes first: its turn counts as 0.
-        return min(self._lines, key=lambda c: self._served.get(c, 0), default=None)
+        others = [c for c in self._lines if c != passing] or list(self._lines)
+        return min(others, key=lambda c: self._served.get(c, 0), default=None)
 
-    def peek(self) -> T | None:
-        """The item whose turn it is, left in place."""
-        client = self._next_client()
+    def peek(self, passing: Hashable | None = None) -> T | None:
+        """The item whose turn it is, left in place; with `passing`, the next other client's
+        (that client's own when no other waits)."""
+        client = self._next_client(passing)
         return None if client is None else self._lines[client][0]
 
     def pop(self) -> tuple[Hashable, T]:

@@ -73,20 +73,30 @@ class Attempts:
             reservation = await self.line.reserve(inflight, avoid, prefill_here=True)
             prefill_call: asyncio.Future = asyncio.get_running_loop().create_future()
             prefill_call.set_result(pb.PrefillResponse())
-        else:
-            # The prefill and its call first: a reservation must not be left waiting for them.
-            prefill = self._pick_prefill(inflight, avoid)
-            slot = await self.prefill_slots.take(
-                prefill.address, inflight.client, inflight.deadline
+            room = RoomWait(
+                asked_for_room - inflight.received, time.perf_counter() - asked_for_room
             )
+        else:
+            prefill = self._pick_prefill(inflight, avoid)  # before a reservation is held
+            reservation = await self.line.reserve(inflight, avoid)
+            got_room = time.perf_counter()
+            # Then a place among the prefill's calls: the lease waits for it as it would wait
+            # in prefill's own queue, and holding a place while waiting for decode room would
+            # keep it from requests that have their room.
             try:
-                reservation = await self.line.reserve(inflight, avoid)
+                slot = await self.prefill_slots.take(
+                    prefill.address, inflight.client, inflight.deadline
+                )
             except BaseException:
-                slot.give_back()
+                reservation.call.cancel()
                 raise
             prefill_call = self._start_prefill(inflight, prefill, reservation)
             prefill_call.add_done_callback(lambda _call: slot.give_back())
-        room = RoomWait(asked_for_room - inflight.received, time.perf_counter() - asked_for_room)
+            room = RoomWait(
+                asked_for_room - inflight.received,
+                got_room - asked_for_room,
+                time.perf_counter() - got_room,
+            )
         try:
             async for event in self._relay(reservation, prefill_call, prefill):
                 if isinstance(event, Tokens):

@@ -9,10 +9,12 @@ from pdserve.v1 import pdserve_pb2 as pb
 @dataclass(frozen=True)
 class RoomWait:
     """Router-side, for the attempt that succeeded: from receiving the request to asking decode
-    for room, then until the lease was granted."""
+    for room, then until the lease was granted, then until a place among the prefill instance's
+    calls was free (--prefill-calls-per-instance)."""
 
     routing_seconds: float
     decode_room_seconds: float
+    prefill_call_seconds: float = 0.0
 
 
 def request_phases(
@@ -23,6 +25,7 @@ def request_phases(
     known = (
         room.routing_seconds,
         room.decode_room_seconds,
+        room.prefill_call_seconds,
         reply.queue_seconds,
         reply.prefill_seconds,
         reply.handoff.exposed_seconds,
@@ -30,6 +33,7 @@ def request_phases(
     return pb.RequestPhases(
         routing_seconds=room.routing_seconds,
         decode_room_seconds=room.decode_room_seconds,
+        prefill_call_seconds=room.prefill_call_seconds,
         prefill_queue_seconds=reply.queue_seconds,
         prefill_compute_seconds=reply.prefill_seconds,
         transfer_after_compute_seconds=reply.handoff.exposed_seconds,

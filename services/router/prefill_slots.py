@@ -5,8 +5,9 @@ RESOURCE_EXHAUSTED. Without a limit of its own, the router would pass that refus
 decode has room for more prompts than prefill has calls: a burst of 300 short requests lost 342
 of 1,500 streams that way (bench/fairness.py). So the router keeps at most
 --prefill-calls-per-instance calls in progress at each instance. A request over it waits in its
-client's line (pdserve/core/fair_lines.py: clients take turns), bounded like the wait for decode
-room, and takes the next call that ends there.
+client's line (pdserve/core/fair_lines.py: clients take turns), bounded in time like the wait
+for decode room, and takes the next place that frees there. It already holds its decode lease,
+so the requests that wait are bounded in number by decode's pending-lease share.
 """
 
 import asyncio
@@ -55,7 +56,6 @@ class PrefillSlots:
             self._in_progress[address] = self.in_progress(address) + 1
             lines.count_turn(client)
             return PrefillSlot(self, address)
-        self._refuse_a_longer_line(lines, client)
         give_up = min(time.monotonic() + self._settings.queue_timeout_seconds, deadline)
         granted: asyncio.Future = asyncio.get_running_loop().create_future()
         lines.append(client, granted)
@@ -89,21 +89,6 @@ class PrefillSlots:
             if not granted.done():
                 self._in_progress[address] += 1
                 granted.set_result(None)
-
-    def _refuse_a_longer_line(self, lines: FairLines, client: str) -> None:
-        if self.waiting >= self._settings.max_queue:
-            raise RouterError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"router queue is full ({self._settings.max_queue} waiting)",
-            )
-        if (waiting := lines.waiting_for(client)) >= self._settings.max_queue_per_client:
-            raise RouterError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"client {client!r} has {waiting} requests waiting for a prefill call, the most "
-                f"one client may have (--max-queue-share-per-client "
-                f"{self._settings.max_queue_share_per_client:g} of --max-queue "
-                f"{self._settings.max_queue})",
-            )
 
     def _timed_out(self, address: str, at_deadline: bool) -> RouterError:
         if at_deadline:

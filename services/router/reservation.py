@@ -11,6 +11,7 @@ wait behind all of it; and each client may have only its share of the queue wait
 """
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class ReservationLine:
         self._lines: FairLines[asyncio.Event] = FairLines()
         self._poller: asyncio.Event | None = None  # the one waiting request that polls
         self._backoff = FIRST_BACKOFF_SECONDS  # the line's: between one poll and the next
+        self._holding: collections.Counter[str] = collections.Counter()  # reservations, by client
 
     @property
     def queued(self) -> int:
@@ -119,9 +121,14 @@ class ReservationLine:
             self._lines.remove(me)
             self._choose_poller()
 
-    def _choose_poller(self) -> None:
-        """Wakes the request that polls next: the one whose turn it is."""
-        self._poller = self._lines.peek()
+    def _choose_poller(self, failed: str | None = None) -> None:
+        """Wakes the request that polls next: the one whose turn it is. After a poll of client
+        `failed` found no room, another client's, if `failed` holds room already: decode may
+        have refused it its share of the pool (--max-pool-share-per-client), which another
+        client's request would be granted. (A client that holds none was refused because
+        the pool is full, which no other client's poll changes.)"""
+        passing = failed if failed is not None and self._holding[failed] else None
+        self._poller = self._lines.peek(passing)
         if self._poller is not None:
             self._poller.set()
 
@@ -134,10 +141,9 @@ class ReservationLine:
         prefill_here: bool,
     ) -> Reservation:
         """Waits while another request polls; polls while this one is the poller, and after each
-        poll that finds no room, waits the line's backoff and hands the poll to the next turn.
-        Decode may refuse one client only (its share of the pool, --max-pool-share-per-client),
-        so a client whose poll fails must not keep the others from trying: as one poller per
-        line, it held another client's request for 3 s (bench/fairness.py)."""
+        poll that finds no room, waits the line's backoff and chooses the next poller (which
+        may be another client's request: _choose_poller; without that, one client refused its
+        share held another's request for 3 s, bench/fairness.py)."""
         while True:
             if self._poller is not me:
                 me.clear()
@@ -153,8 +159,7 @@ class ReservationLine:
                 raise self._no_room(inflight, give_up)
             await asyncio.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, MAX_BACKOFF_SECONDS)
-            self._lines.count_turn(inflight.client)  # a turn had, if without room
-            self._choose_poller()
+            self._choose_poller(failed=inflight.client)
 
     async def _try_all(
         self, inflight: Inflight, avoid: set[str], prefill_here: bool
@@ -246,9 +251,14 @@ class ReservationLine:
             call.cancel()
             return None
         decode.streams += 1  # load for prefix-aware routing, counted until the call ends
+        client = inflight.client
+        self._holding[client] += 1
 
         def ended(_call) -> None:
             decode.streams -= 1
+            self._holding[client] -= 1
+            if not self._holding[client]:
+                del self._holding[client]
 
         call.add_done_callback(ended)
         return Reservation(call, event.lease, decode)
