@@ -1,6 +1,7 @@
 """Test helpers over pdserve.localstack: a stack of services and request shortcuts."""
 
 import signal
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
@@ -132,3 +133,14 @@ def greedy_request(
         prompt_token_ids=prompt_ids,
         sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
     )
+
+
+def router_queue_depth(metrics_port: int) -> int:
+    """The router's pdserve_queue_depth (requests waiting for decode room or a prefill call),
+    read from its /metrics; -1 when it is not there."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith('pdserve_queue_depth{service="router"}'):
+                return int(float(line.split()[-1]))
+    return -1

@@ -15,8 +15,8 @@ import urllib.request
 import grpc
 import pytest
 
-from procs import Stack, free_port, generate, greedy_request, start_router, start_service
-from procs import wait_until
+from procs import Stack, free_port, generate, greedy_request, router_queue_depth, start_router
+from procs import start_service, wait_until
 from pdserve.rpc.tls import aio_client_channel
 from pdserve.services.router.clients import ApiKeys, CacheSalts, load_salt_secret
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -287,12 +287,7 @@ def test_a_clients_burst_cannot_fill_the_queue_nor_make_another_wait_behind_it(r
     long, short = greedy_request([9] * 8, 4088), greedy_request([1, 2, 3], 12)  # 256 blocks, 1
 
     def queued() -> int:
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith('pdserve_queue_depth{service="router"}'):
-                    return int(float(line.split()[-1]))
-        return -1
+        return router_queue_depth(metrics_port)
 
     async def until(condition, timeout: float, what: str) -> None:
         deadline = asyncio.get_running_loop().time() + timeout

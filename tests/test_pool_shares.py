@@ -3,12 +3,12 @@ client's request finds room at once instead of waiting for the first one's strea
 real gRPC to a decode instance, the clients named as the router names them."""
 
 import signal
-import urllib.request
 
 import grpc
 import pytest
 
-from procs import Stack, free_port, greedy_request, start_router, start_service, wait_until
+from procs import Stack, free_port, greedy_request, router_queue_depth, start_router
+from procs import start_service, wait_until
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -121,7 +121,7 @@ def test_a_client_refused_its_share_does_not_hold_another_clients_request(tmp_pa
             streams.append(stub.Generate(long_stream, timeout=120, metadata=alice))
             next(streams[-1])  # its first token: it holds its room
         streams.append(stub.Generate(long_stream, timeout=120, metadata=alice))
-        wait_until(lambda: _router_waiting(metrics_port) == 1, 10, "Alice's 4th to wait in line")
+        wait_until(lambda: router_queue_depth(metrics_port) == 1, 10, "Alice's 4th to wait in line")
         for _ in range(2):
             tokens = [
                 t
@@ -137,13 +137,3 @@ def test_a_client_refused_its_share_does_not_hold_another_clients_request(tmp_pa
             stream.cancel()
         wait_until(stack.pools_settled, 30, "the decode pool to be whole again")
         stack.stop()
-
-
-def _router_waiting(metrics_port: int) -> int:
-    """The router's pdserve_queue_depth: requests waiting for decode room or a prefill call."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith('pdserve_queue_depth{service="router"}'):
-                return int(float(line.split()[-1]))
-    return -1
