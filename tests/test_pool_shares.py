@@ -18,7 +18,7 @@ BLOCKS = 64  # of 16 tokens
 BIG = 240  # output tokens: with a 16-token prompt, 16 blocks, a quarter of the pool
 
 
-def _decode(tmp_path, share: str):
+def _decode(tmp_path, share: str, pending_share: str = "1"):
     return start_service(
         "decode",
         "--torch-threads",
@@ -28,11 +28,51 @@ def _decode(tmp_path, share: str):
         "--prefix-cache",
         "false",
         "--max-pending-lease-share",
-        "1",  # these leases never get KV: only the pool share is tested
+        pending_share,  # 1: these leases never get KV, and only the pool share is tested
         "--max-pool-share-per-client",
         share,
         tmp_dir=str(tmp_path),
     )
+
+
+def _reserve_until_refused(stub, client: str, max_tokens: int, calls: list) -> grpc.RpcError:
+    """Leases for `client` until decode refuses one; each call kept open in `calls`."""
+    for i in range(BLOCKS):
+        call, answer = _reserve(stub, client, f"{client}{i}", max_tokens)
+        calls.append(call)
+        if isinstance(answer, grpc.RpcError):
+            return answer
+    raise AssertionError("never refused")
+
+
+def _cancel_and_settle(stub, calls: list) -> None:
+    for call in calls:
+        call.cancel()
+    wait_until(
+        lambda: stub.GetPoolStats(pb.GetPoolStatsRequest(), timeout=5).free_blocks == BLOCKS,
+        10,
+        "every block back",
+    )
+
+
+def test_one_clients_pending_leases_leave_another_its_part_of_the_callers_share(tmp_path):
+    """One caller (as the router is), two clients. The pending cap is 32 blocks (0.5 of 64), all
+    the caller's. A's 8-block leases that never get KV fill it (4), and a fifth is refused; B
+    still gets its part of the caller's share, half of it between two clients: 2 leases, not a
+    third. Split by caller only, B waited for A's leases to commit."""
+    decode = _decode(tmp_path, "1", pending_share="0.5")
+    calls: list = []
+    try:
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            refusal = _reserve_until_refused(stub, "a", 112, calls)  # 128 tokens: 8 blocks
+            assert len(calls) == 5 and "--max-pending-lease-share" in refusal.details()
+            refusal = _reserve_until_refused(stub, "b", 112, calls)
+            assert len(calls) == 5 + 3, "B's part of the caller's share is 2 leases of 8 blocks"
+            assert "--max-pending-lease-share" in refusal.details()
+            _cancel_and_settle(stub, calls)
+    finally:
+        decode.stop(signal.SIGKILL)
 
 
 def _reserve(stub, client: str, name: str, max_tokens: int):

@@ -86,7 +86,7 @@ class LeaseTable:
         others' reservations (see _over_share)."""
         wanted = self.pool.blocks_for(spec.max_total_tokens)
         refusal = self._over_share(caller, wanted, limits.pending_share)
-        if refusal:
+        if refusal and not self._under_client_part(caller, spec.client, wanted, limits):
             raise PendingLimit(refusal)
         refusal = self._over_client_share(spec.client, wanted, limits.client_share)
         if refusal:
@@ -130,9 +130,7 @@ class LeaseTable:
         held = sum(lease.table.capacity_blocks for lease in pending if lease.caller == caller)
         if not held:
             return ""
-        callers = len({lease.caller for lease in pending} | {caller})
-        cap = int(pending_share * self.pool.num_blocks)
-        share = cap // callers
+        share, callers = self._caller_share(caller, pending_share)
         if held + wanted <= share:
             return ""
         return (
@@ -141,6 +139,27 @@ class LeaseTable:
             f"share of {share} blocks (the pending share of {pending_share:g}, "
             f"--max-pending-lease-share, split between {callers} callers)"
         )
+
+    def _caller_share(self, caller: str, pending_share: float) -> tuple[int, int]:
+        """The blocks `caller`'s uncommitted leases may hold, and the number of callers the
+        pending cap is split between."""
+        callers = len({lease.caller for lease in self._pending()} | {caller})
+        return int(pending_share * self.pool.num_blocks) // callers, callers
+
+    def _under_client_part(
+        self, caller: str, client: str, wanted: int, limits: LeaseLimits
+    ) -> bool:
+        """Whether `client` of a `caller` over its pending share still holds less than its part
+        of it: the caller's share split between its clients with uncommitted leases (the router
+        names its clients). Otherwise one client's burst of leases waiting for their KV (for a
+        prefill call, say) fills the router's share, and another client's request waits for
+        them (bench/fairness.py). A caller's leases can so reach at most twice its share, and
+        a caller that names many clients only splits its own share between them."""
+        pending = [lease for lease in self._pending() if lease.caller == caller]
+        clients = {lease.spec.client for lease in pending} | {client}
+        held = sum(lease.table.capacity_blocks for lease in pending if lease.spec.client == client)
+        share, _ = self._caller_share(caller, limits.pending_share)
+        return held + wanted <= share // len(clients)
 
     def _over_client_share(self, client: str, wanted: int, client_share: float) -> str:
         """Why `client` may not reserve `wanted` more blocks now, or "" when it may.
