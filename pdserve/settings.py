@@ -167,7 +167,9 @@ class DecodeSettings:
         0.5,
         "share of the pool's blocks that reservations still waiting for their KV may hold "
         "together; beyond it a reservation is refused (RESOURCE_EXHAUSTED), so callers that "
-        "reserve and never send KV cannot take every block",
+        "reserve and never send KV cannot take every block. It is split between the callers "
+        "holding such reservations, and a caller's share between the clients it names (the "
+        "router's), so that one client's burst cannot fill the router's share",
     )
     max_pool_share_per_client: float = setting(
         0.9,
