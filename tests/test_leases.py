@@ -159,7 +159,9 @@ def test_a_lease_receiving_kv_still_expires_at_its_ttl(decode):
 
 
 def test_commit_is_idempotent_and_a_conflicting_one_is_refused(decode):
-    call, lease = reserve(decode, max_tokens=4)
+    # Long enough that the sequence is still decoding (its lease known) when the conflicting
+    # commit comes: with 4 tokens it could end first, and the lease be unknown by then.
+    call, lease = reserve(decode, max_tokens=400)
     pushes = kv_pushes(lease.lease_id)
     assert push(decode, pushes).newly_committed
     again = push(decode, [pushes[-1]])
@@ -178,7 +180,7 @@ def test_commit_is_idempotent_and_a_conflicting_one_is_refused(decode):
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "other contents" in err.details()
     events = list(call)
     tokens = [t for e in events for t in (e.tokens.token_ids or e.finished.last.token_ids)]
-    assert tokens[0] == 3 and len(tokens) == 4  # the committed first token, then decode's
+    assert tokens[0] == 3 and len(tokens) == 400  # the committed first token, then decode's
     assert events[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
 
 

@@ -169,6 +169,8 @@ class LeaseTable:
         once: without it, a burst that fills the pool makes the next client wait for the
         burst's first stream to end, however short its own request (bench/fairness.py). A
         client's first lease is let in whatever its size, as for the pending share."""
+        if client_share >= 1:
+            return ""  # the pool itself decides
         held = sum(lease.table.capacity_blocks for lease in self._by_client(client))
         cap = int(client_share * self.pool.num_blocks)
         if not held or held + wanted <= cap:
@@ -180,7 +182,13 @@ class LeaseTable:
         )
 
     def _by_client(self, client: str) -> list[Lease]:
-        return [lease for lease in self._leases.values() if lease.spec.client == client]
+        """`client`'s leases that still hold blocks (a finished sequence's lease is forgotten
+        only once its stream has ended, after its blocks went back)."""
+        return [
+            lease
+            for lease in self._leases.values()
+            if lease.spec.client == client and not lease.table.released
+        ]
 
     def for_push(self, lease_id: str) -> Lease:
         """The lease a KV chunk or commit names, if it may still receive KV."""
