@@ -4,6 +4,7 @@ its services' /metrics read too."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ NUM_REQUESTS = 20
 @pytest.fixture(scope="module")
 def stack():
     port = free_port()
-    metrics_port = free_port()  # router; prefill and decode on the next two
+    metrics_port = _free_ports_in_a_row(3)  # router; prefill and decode on the next two
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -55,6 +56,26 @@ def stack():
         yield address, metrics_port
     finally:
         _stop(proc)
+
+
+def _free_ports_in_a_row(count: int) -> int:
+    """A port free with the `count - 1` after it: free_port() vouches for one only, and the
+    one after it may be another connection's (a service that cannot bind its metrics port
+    exits, and the stack then answers UNAVAILABLE)."""
+    for _ in range(100):
+        base = free_port()
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise AssertionError(f"no {count} free ports in a row")
 
 
 def _stop(proc: subprocess.Popen) -> None:
