@@ -52,9 +52,11 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 class Setup:
     """One served format: the model, a pool and each batch's block tables."""
 
-    def __init__(self, fmt: str, batches: list[int], context: int) -> None:
+    def __init__(self, fmt: str, batches: list[int], context: int, step_ops: str) -> None:
         weights, _, kernel = fmt.partition(":")  # q4:native, q4:torch
-        self.served = load_served_model(MODEL, weight_format=weights, q4_kernel=kernel or "torch")
+        self.served = load_served_model(
+            MODEL, weight_format=weights, q4_kernel=kernel or "torch", step_ops=step_ops
+        )
         self.model = self.served.built
         self.linears = linear_layers(self.model)
         tied = getattr(self.model, "lm_head", None) is None
@@ -101,9 +103,10 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--context", type=int, default=150, help="tokens cached per sequence")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--step-ops", default="auto", choices=["auto", "torch", "native"])
     p.add_argument("--out", default=str(RESULTS / "decode_step.json"))
     args = p.parse_args()
-    setups = {fmt: Setup(fmt, args.batches, args.context) for fmt in args.formats}
+    setups = {fmt: Setup(fmt, args.batches, args.context, args.step_ops) for fmt in args.formats}
     configs = [(f, t, b) for t in args.threads for b in args.batches for f in args.formats]
     step: dict[tuple, list[float]] = {c: [] for c in configs}
     floor: dict[tuple, list[float]] = {c: [] for c in configs}

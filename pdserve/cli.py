@@ -58,6 +58,7 @@ def _serve(args) -> int:
         weight_format=common.weights,
         numerics=common.numerics,
         q4_kernel=common.q4_kernel,
+        step_ops=common.step_ops,
     )
     service = importlib.import_module(f"pdserve.services.{args.role}.server")
     tracing.configure(common.otlp_endpoint, args.role)

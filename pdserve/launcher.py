@@ -27,7 +27,7 @@ READY_TIMEOUT_SECONDS = 120.0
 
 
 # Settings `pdserve up` hands on to every service it starts; their flags come from pdserve.settings.
-SHARED_SETTINGS = ("model", "dtype", "weights", "numerics", "q4_kernel")
+SHARED_SETTINGS = ("model", "dtype", "weights", "numerics", "q4_kernel", "step_ops")
 ROLES = ("prefill", "decode", "router")
 
 
@@ -174,8 +174,9 @@ def run_up(args) -> int:
         weight_format=args.weights,
         numerics=args.numerics,
         q4_kernel=args.q4_kernel,
+        step_ops=args.step_ops,
     )
-    if served.config.q4_kernel == "native":
+    if "native" in (served.config.q4_kernel, served.config.step_ops):
         native.ensure_built()  # here once, not by two services at the same time
     print(f"model: {served.identity}", flush=True)
     args.port = args.port or free_port()

@@ -16,7 +16,13 @@ import sys
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar, Protocol, get_type_hints
 
-from pdserve.core.config import AUTO_WEIGHTS, NUMERICS, Q4_KERNELS, WEIGHT_FORMATS
+from pdserve.core.config import (
+    AUTO_WEIGHTS,
+    NUMERICS,
+    Q4_KERNELS,
+    STEP_OPS_CHOICES,
+    WEIGHT_FORMATS,
+)
 from pdserve.faults import Faults
 
 ENV_PREFIX = "PDSERVE_"
@@ -87,6 +93,14 @@ class CommonSettings:
         "does; built by scripts/install.sh, needs AVX2, FMA and F16C). Every service must "
         "agree: it is part of the model's fingerprint",
     )
+    step_ops: str = setting(
+        "auto",
+        "how a step's work besides the matrices runs: native (pdserve's fused ops: each norm, "
+        "RoPE and the paged decode attention one call per layer, reading the cache in its own "
+        "dtype; built by scripts/install.sh, x86-64 with AVX2), torch (torch's own ops), or "
+        "auto: native where it runs, for fast numerics in float32 or bfloat16, else torch. "
+        "Every service must agree: it is part of the model's fingerprint",
+    )
     host: str = setting(
         "127.0.0.1",
         "address to listen on (gRPC, metrics and the KV data plane); 0.0.0.0 for every "
@@ -137,6 +151,7 @@ class CommonSettings:
         _one_of(self, "weights", (AUTO_WEIGHTS, *WEIGHT_FORMATS))
         _one_of(self, "numerics", NUMERICS)
         _one_of(self, "q4_kernel", Q4_KERNELS)
+        _one_of(self, "step_ops", STEP_OPS_CHOICES)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list
         if self.otlp_endpoint:

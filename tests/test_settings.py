@@ -241,7 +241,7 @@ def fake_loading(monkeypatch):
     """pdserve.models.loading and services.router.server stand-ins that record their calls."""
     calls = {}
 
-    def load_served_model(name, dtype, weights, weight_format, numerics, q4_kernel):
+    def load_served_model(name, dtype, weights, weight_format, numerics, q4_kernel, step_ops):
         calls["load"] = (name, dtype, weights)
         if name.startswith("/missing"):
             raise FileNotFoundError(f"no checkpoint at {name}")
@@ -300,6 +300,8 @@ def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
         "fast",
         "--q4-kernel",
         "torch",
+        "--step-ops",
+        "auto",
     ]
 
 

@@ -21,6 +21,11 @@ NUMERICS = ("fast", "invariant")
 # The kernel that multiplies q4 layers (pdserve/kernels/native.py): torch's int4 kernel, or
 # pdserve's own, computing as llama.cpp does; "" for the other formats.
 Q4_KERNELS = ("torch", "native")
+# How a step's work besides the matrices runs (pdserve/kernels/step_ops.py): torch's own ops, or
+# pdserve's fused ones (norms, RoPE, paged decode attention in one call each); --step-ops auto
+# picks native where it can run. Fast numerics and float32 or bfloat16 only.
+STEP_OPS = ("torch", "native")
+STEP_OPS_CHOICES = ("auto", *STEP_OPS)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class ModelConfig:
     numerics: str = "fast"
     # Also part of the identity: the two q4 kernels round differently.
     q4_kernel: str = ""
+    # Also part of the identity: the fused ops round their sums in another order than torch's.
+    step_ops: str = "torch"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -68,6 +75,15 @@ class ModelConfig:
             raise ValueError(f"numerics {self.numerics!r}: expected one of {', '.join(NUMERICS)}")
         if self.q4_kernel not in (Q4_KERNELS if self.weights == "q4" else ("",)):
             raise ValueError(f"q4_kernel {self.q4_kernel!r} does not fit weights {self.weights}")
+        if self.step_ops not in STEP_OPS:
+            raise ValueError(f"step_ops {self.step_ops!r}: expected one of {', '.join(STEP_OPS)}")
+        if self.step_ops == "native" and (
+            self.numerics != "fast" or self.dtype not in ("float32", "bfloat16")
+        ):
+            raise ValueError(
+                f"native step ops need fast numerics and float32 or bfloat16, not "
+                f"{self.numerics} numerics in {self.dtype}"
+            )
         if not self.head_size and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:

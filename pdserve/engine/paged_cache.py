@@ -24,6 +24,8 @@ class PagedCache:
         self.kv = torch.zeros(shape, dtype=TORCH_DTYPES[config.dtype])
         self.block_size = block_size
         self.attention = invariant_attention.kernels(config.numerics)  # fast or invariant sums
+        # The native step op attends each sequence over its own blocks (dims in lanes of 8).
+        self.fused_decode = config.step_ops == "native" and config.head_dim % 8 == 0
         self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -110,6 +112,12 @@ class DecodeStepKv:
         self._new = torch.tensor(
             new + [s for c in chunks for s in c.table.slots(c.start, c.end)], dtype=torch.long
         )
+        self._fused = None
+        if cache.fused_decode and lengths:
+            self._fused = _FusedDecode(tables, lengths, block_size)
+            self.buckets: list[_Bucket] = []
+            self._order = None
+            return
         # Invariant attention sums whole chunks of keys: a bucket gathers that many blocks.
         align = max(1, cache.attention.KEY_ALIGNMENT // block_size)
         self.buckets = [
@@ -130,9 +138,12 @@ class DecodeStepKv:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
-        keys.index_copy_(1, self._new, k.transpose(0, 1))
-        values.index_copy_(1, self._new, v.transpose(0, 1))
         outs = []
+        if self._fused is not None:  # writes every new row's K and V, attends the decodes
+            outs.append(self._fused.attend(q[: self._decodes], k, v, keys, values, self._new))
+        else:
+            keys.index_copy_(1, self._new, k.transpose(0, 1))
+            values.index_copy_(1, self._new, v.transpose(0, 1))
         if self.buckets:
             decode_out = [
                 self._cache.attention.padded_decode(
@@ -164,6 +175,24 @@ class PromptChunk:
     table: BlockTable
     start: int
     end: int
+
+
+class _FusedDecode:
+    """The decodes of a step for the native paged_decode op: each sequence's blocks, padded to
+    the longest table (never read past its own length), and its length with the new token."""
+
+    def __init__(self, tables: list[BlockTable], lengths: list[int], block_size: int) -> None:
+        spans = [n + 1 for n in lengths]
+        width = max(-(-n // block_size) for n in spans)
+        rows = [t.blocks[:width] + [0] * (width - min(width, len(t.blocks))) for t in tables]
+        self.blocks = torch.tensor(rows, dtype=torch.long)
+        self.spans = torch.tensor(spans, dtype=torch.long)
+        self.block_size = block_size
+
+    def attend(self, q, k, v, keys, values, new_slots) -> torch.Tensor:
+        return torch.ops.pdserve.paged_decode(
+            q, k, v, keys, values, new_slots, self.blocks, self.spans, self.block_size
+        )
 
 
 class _ChunkView:

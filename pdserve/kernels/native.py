@@ -1,4 +1,5 @@
-"""Build and load pdserve's AVX2 Q4_1 kernel (q4_1_avx2.cpp), the other q4 kernel beside torch's.
+"""Build and load pdserve's native library: the AVX2 Q4_1 kernel (q4_1_avx2.cpp), the other q4
+kernel beside torch's, and the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py).
 
 `--q4-kernel` picks how q4 layers multiply:
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16 (the default)
@@ -14,7 +15,7 @@ The library is compiled once with the C++ compiler (`c++`, or $CXX) against the 
 into $PDSERVE_KERNEL_DIR (default: share/pdserve-kernels in the Python environment), under a name
 that hashes the source, torch's version and the flags, so a changed source or torch is rebuilt.
 scripts/install.sh builds it (`python -m pdserve.kernels.native`), so no server waits for it.
-It registers the op torch.ops.pdserve.q4_1_linear: loaded through torch, not Python's importer,
+It registers torch.ops.pdserve.q4_1_linear and the step ops: loaded through torch, not Python's importer,
 it needs no Python headers and no build tool besides the compiler.
 """
 
@@ -36,7 +37,9 @@ from pdserve.core.config import Q4_KERNELS
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("q4_1_avx2.cpp")
+# One library from both sources: the q4 kernel and the fused step ops (step_ops.py).
+SOURCES = [Path(__file__).with_name(name) for name in ("q4_1_avx2.cpp", "step_ops.cpp")]
+LIBRARY_PREFIX = "pdserve_native-"
 # -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape
 # and not in another, and a row's result would depend on how many rows share its call.
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
@@ -104,10 +107,14 @@ def build(path: Path) -> None:
         raise KernelUnavailable("no C++ compiler to build the native q4 kernel (set $CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    log.info("building the native q4 kernel (once per source and torch version) into %s", path)
+    log.info(
+        "building the native library (q4 kernel, step ops; once per source and torch version) "
+        "into %s",
+        path,
+    )
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         partial = Path(scratch) / path.name
-        command = [cxx, *FLAGS, *_torch_flags(ext), str(SOURCE), "-o", str(partial)]
+        command = [cxx, *FLAGS, *_torch_flags(ext), *map(str, SOURCES), "-o", str(partial)]
         command += [f"-L{d}" for d in ext.library_paths()] + ["-lc10", "-ltorch_cpu"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
@@ -116,10 +123,11 @@ def build(path: Path) -> None:
                 + done.stderr[-4000:]
             )
         os.replace(partial, path)
-    for stale in path.parent.glob("q4_1_avx2-*.so"):  # other sources' builds: never loaded again
+    # Other sources' builds (and those from before the step ops joined): never loaded again.
+    for stale in [*path.parent.glob(LIBRARY_PREFIX + "*.so"), *path.parent.glob("q4_1_avx2-*.so")]:
         if stale != path:
             stale.unlink(missing_ok=True)
-    log.info("built the native q4 kernel in %.0f s", time.perf_counter() - started)
+    log.info("built the native library in %.0f s", time.perf_counter() - started)
 
 
 def _torch_flags(ext) -> list[str]:
@@ -131,11 +139,11 @@ def _torch_flags(ext) -> list[str]:
 
 def library_path() -> Path:
     """Where the library for this source, torch version and flags lives (built or not)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     digest.update(importlib.metadata.version("torch").encode())
     digest.update(" ".join(FLAGS).encode())
     directory = os.environ.get("PDSERVE_KERNEL_DIR") or Path(sys.prefix) / "share/pdserve-kernels"
-    return Path(directory) / f"q4_1_avx2-{digest.hexdigest()[:16]}.so"
+    return Path(directory) / f"{LIBRARY_PREFIX}{digest.hexdigest()[:16]}.so"
 
 
 def compiler() -> str | None:
@@ -159,11 +167,14 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     reason = why_unavailable()
     if reason is not None:
-        print(f"native q4 kernel: not built ({reason}); --q4-kernel native is unavailable")
+        print(
+            f"native library: not built ({reason}); --q4-kernel native and --step-ops native "
+            "are unavailable"
+        )
         return 0
     started = time.perf_counter()
     load()
-    print(f"native q4 kernel: {library_path()} ({time.perf_counter() - started:.0f} s)")
+    print(f"native library: {library_path()} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

@@ -19,12 +19,15 @@ from pdserve.models.rope import Rotary, inverse_frequencies
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
+        """`fused`: one call of the native step op (pdserve/kernels/step_ops.py) per norm."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.eps, self.fused = eps, fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.pdserve.rms_norm(x, self.weight, self.eps)
         # The mean square in float32 even for bf16 weights: a bf16 sum over 4096 squares is coarse.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -95,9 +98,10 @@ def _stacked_linear(
 class Layer(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(c.d_model, c.norm_eps)
+        fused = c.step_ops == "native"
+        self.input_layernorm = RMSNorm(c.d_model, c.norm_eps, fused)
         self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps, fused)
         self.mlp = MLP(c)
 
     def qkv(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, ...]:
@@ -107,7 +111,8 @@ class Layer(nn.Module):
         q = q.view(x.shape[0], a.heads, a.head_dim)
         k = k.view(x.shape[0], a.kv_heads, a.head_dim)
         v = v.view(x.shape[0], a.kv_heads, a.head_dim)
-        return rotary.apply(q), rotary.apply(k), v
+        q, k = rotary.apply_pair(q, k)
+        return q, k, v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.o_proj(attn.reshape(x.shape[0], -1))
@@ -119,7 +124,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.n_layers))
-        self.norm = RMSNorm(c.d_model, c.norm_eps)
+        self.norm = RMSNorm(c.d_model, c.norm_eps, c.step_ops == "native")
 
 
 class LlamaForCausalLM(DecoderOnly):
@@ -147,7 +152,8 @@ class LlamaForCausalLM(DecoderOnly):
         return self.model.embed_tokens(tokens)
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
-        return Rotary(self._inv_freq, positions, self.model.embed_tokens.weight.dtype)
+        dtype = self.model.embed_tokens.weight.dtype
+        return Rotary(self._inv_freq, positions, dtype, self.config.step_ops == "native")
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(x)

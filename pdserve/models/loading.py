@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.core.config import AUTO_WEIGHTS, ModelConfig
 from pdserve.kernels import native
+from pdserve.kernels import step_ops as fused_ops
 from pdserve.models import checkpoint
 from pdserve.models.tokenizer import ByteTokenizer, Tokenizer
 
@@ -58,12 +59,14 @@ def load_served_model(
     weight_format: str = "dense",
     numerics: str = "fast",
     q4_kernel: str = "torch",
+    step_ops: str = "auto",
 ) -> ServedModel:
     """`weight_format` (--weights) is how the linear layers hold their weights; `auto` picks
     q4 for a bfloat16 model from a GGUF, dense for any other. `numerics` (--numerics): fast or
     invariant kernels (pdserve.core.config.NUMERICS). `q4_kernel` (--q4-kernel): what
-    multiplies q4 layers (pdserve.kernels.native)."""
-    served = _describe(ref, dtype, weight_format, numerics, q4_kernel)
+    multiplies q4 layers (pdserve.kernels.native). `step_ops` (--step-ops): torch's ops or the
+    fused native ones for the rest of a step (pdserve.kernels.step_ops); auto picks."""
+    served = _describe(ref, dtype, weight_format, numerics, q4_kernel, step_ops)
     if weights:
         from pdserve.models.registry import build
 
@@ -72,14 +75,16 @@ def load_served_model(
 
 
 def _describe(
-    ref: str, dtype: str, weight_format: str, numerics: str, q4_kernel: str
+    ref: str, dtype: str, weight_format: str, numerics: str, q4_kernel: str, step_ops: str
 ) -> ServedModel:
     if ref.lower() == TINYGPT:
         dense = weight_format == AUTO_WEIGHTS
+        dtype = dtype or "float32"
         config = ModelConfig(
-            dtype=dtype or "float32",
+            dtype=dtype,
             weights="dense" if dense else weight_format,
             numerics=numerics,
+            step_ops=fused_ops.resolve(step_ops, numerics, dtype),
         )
         return ServedModel(TINYGPT, config, ByteTokenizer(), fingerprint(config, []))
     from pdserve.models import gguf_import  # numpy only: the router may import it
@@ -91,7 +96,10 @@ def _describe(
         ships_q4 = gguf is not None and gguf_import.holds_q4_1(directory)
         weight_format = "q4" if ships_q4 and config.dtype == "bfloat16" else "dense"
     kernel = native.require(q4_kernel) if weight_format == "q4" else ""
-    config = dataclasses.replace(config, weights=weight_format, numerics=numerics, q4_kernel=kernel)
+    ops = fused_ops.resolve(step_ops, numerics, config.dtype)
+    config = dataclasses.replace(
+        config, weights=weight_format, numerics=numerics, q4_kernel=kernel, step_ops=ops
+    )
     files = checkpoint.weight_files(directory)
     name = (
         Path(ref).stem if ref.endswith(".gguf") else directory.name if Path(ref).is_dir() else ref

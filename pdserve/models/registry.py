@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pdserve.core.config import ModelConfig
+from pdserve.kernels import step_ops
 from pdserve.models import checkpoint
 from pdserve.models.decoder import DecoderOnly, parameter_count
 from pdserve.models.llama import LlamaForCausalLM
@@ -29,6 +30,8 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
     """The model in eval mode, in config.dtype and config.weights; weights from `source` (TinyGPT
     draws its own), 4-bit blocks from `gguf` where it has them."""
     cls = ARCHITECTURES[config.architecture]
+    if config.step_ops == "native":
+        step_ops.load()
     if source is None:
         if config.weights != "dense":
             raise ValueError(f"--weights {config.weights} needs a Llama-family checkpoint")
@@ -50,7 +53,8 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
         model.use_weights(config.weights, q4)
     with_numerics(model, config.numerics)
     log.info(
-        "loaded %s from %s: %.1fM parameters in %s, linear layers %s%s, %s numerics, %.1f s",
+        "loaded %s from %s: %.1fM parameters in %s, linear layers %s%s, %s numerics, %s step "
+        "ops, %.1f s",
         config.architecture,
         source,
         count / 1e6,
@@ -58,6 +62,7 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
         config.weights,
         f" on the {config.q4_kernel} kernel" if config.q4_kernel else "",
         config.numerics,
+        config.step_ops,
         time.perf_counter() - started,
     )
     return model.eval()

@@ -41,7 +41,11 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
 class Rotary:
     """cos and sin for a batch of positions, computed once per forward and shared by every layer."""
 
-    def __init__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, fused: bool
+    ) -> None:
+        """`fused`: q and k rotated in place by one native step op (pdserve/kernels/step_ops.py)."""
+        self.fused = fused
         angles = positions[:, None].float() * inv_freq[None, :]
         both = torch.cat((angles, angles), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
         self.cos, sin = both.cos().to(dtype), both.sin()
@@ -54,3 +58,10 @@ class Rotary:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] rotated at each token's position."""
         return torch.addcmul(x * self.cos, x.roll(self.half, -1), self.sin_signed)
+
+    def apply_pair(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated; in place where fused (they are views of this step's projection)."""
+        if self.fused:
+            torch.ops.pdserve.rotary_(q, k, self.cos, self.sin_signed)
+            return q, k
+        return self.apply(q), self.apply(k)

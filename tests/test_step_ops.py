@@ -1,0 +1,183 @@
+"""pdserve's fused step ops (pdserve/kernels/step_ops.cpp): each against the torch code it
+replaces, a row's result alone and in a batch, the refusals of bad input, and how --step-ops is
+decided and named in the fingerprint."""
+
+import pytest
+import torch
+
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.config import ModelConfig
+from pdserve.engine.paged_cache import PagedCache
+from pdserve.kernels import native, step_ops
+from pdserve.models.llama import RMSNorm
+from pdserve.models.loading import load_served_model
+from pdserve.models.rope import Rotary, inverse_frequencies
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded():
+    assert native.why_unavailable() is None, "scripts/install.sh builds the native library"
+    step_ops.load()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rounds_as_the_module_does(dtype):
+    x = (torch.randn(37, 576, generator=_gen(0)) * 3).to(dtype)
+    torch_norm, fused_norm = RMSNorm(576, 1e-5), RMSNorm(576, 1e-5, fused=True)
+    with torch.no_grad():
+        weight = torch.randn(576, generator=_gen(1)).to(dtype)
+        for norm in (torch_norm, fused_norm):
+            norm.weight.data = weight
+    with torch.inference_mode():
+        expected, got = torch_norm(x), fused_norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:  # the mean square summed in another order: at most one bf16 step, and rarely
+        step = expected.float().abs() * 2**-7 + 1e-30
+        off = (got.float() - expected.float()).abs()
+        assert bool((off <= step).all()) and int((off > 0).sum()) < x.numel() // 100
+    # A row alone gets the same bits as among 36 others.
+    assert torch.equal(torch.ops.pdserve.rms_norm(x[5:6], weight, 1e-5), got[5:6])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_equals_rope_py(dtype):
+    """Bit for bit in bfloat16 (rounded where torch rounds); in float32 torch's addcmul may fuse
+    its multiply and add, which ours does not, so there within a few ulps."""
+    positions = torch.tensor([0, 3, 17, 400, 4095])
+    inv_freq = inverse_frequencies(64, 10000.0, {})
+    # q and k as views of one projection's output, as a layer splits them.
+    qkv = torch.randn(5, 9 * 64 + 2 * 3 * 64, generator=_gen(2)).to(dtype)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], -1)
+    q, k = q.view(5, 9, 64), k.view(5, 3, 64)
+    plain = Rotary(inv_freq, positions, dtype, fused=False)
+    expected_q, expected_k = plain.apply(q), plain.apply(k)
+    got_q, got_k = Rotary(inv_freq, positions, dtype, fused=True).apply_pair(q, k)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    else:
+        torch.testing.assert_close(got_q, expected_q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_k, expected_k, rtol=1e-6, atol=1e-6)
+
+
+def _cache(dtype: str, kv_heads: int = 3, heads: int = 9) -> PagedCache:
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        d_model=heads * 64,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        n_layers=2,
+        dtype=dtype,
+        step_ops="native",
+    )
+    cache = PagedCache(config, num_blocks=40, block_size=16)
+    cache.kv.normal_(generator=_gen(3))
+    return cache
+
+
+def _step(cache: PagedCache, tables, lengths, q, k, v, fused: bool):
+    """One layer's decode attention, on the fused op or on torch's (the same cache, copied)."""
+    cache.fused_decode = fused
+    return cache.step_view(tables, lengths).attend(1, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_decode_matches_the_torch_path_and_writes_the_same_cache(dtype):
+    torch_dtype = getattr(torch, dtype)
+    pool = BlockPool(40, 16)
+    lengths = [0, 5, 16, 31, 150, 47]  # an empty context, part of a block, whole blocks
+    tables = [pool.reserve(n + 1) for n in lengths]
+    for table, n in zip(tables, lengths):
+        table.ensure(n + 1)
+    tables[2].blocks.reverse()  # blocks out of order: each position's block is looked up
+    q = torch.randn(6, 9, 64, generator=_gen(4)).to(torch_dtype)
+    k = torch.randn(6, 3, 64, generator=_gen(5)).to(torch_dtype)
+    v = torch.randn(6, 3, 64, generator=_gen(6)).to(torch_dtype)
+    fused_cache, torch_cache = _cache(dtype), _cache(dtype)
+    got = _step(fused_cache, tables, lengths, q, k, v, fused=True)
+    expected = _step(torch_cache, tables, lengths, q, k, v, fused=False)
+    assert got.dtype == torch_dtype and got.shape == (6, 9, 64)
+    assert torch.equal(fused_cache.kv, torch_cache.kv)  # the new K and V at the same slots
+    tolerance = 2e-6 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    # Each sequence alone gets the bits it got in the batch.
+    for i in (0, 4):
+        alone = _cache(dtype)
+        one = _step(
+            alone,
+            tables[i : i + 1],
+            lengths[i : i + 1],
+            q[i : i + 1],
+            k[i : i + 1],
+            v[i : i + 1],
+            fused=True,
+        )
+        assert torch.equal(one, got[i : i + 1])
+
+
+def test_paged_decode_refuses_what_would_read_or_write_outside_the_cache():
+    cache = _cache("float32")
+    keys, values = cache.kv[0, 0], cache.kv[0, 1]
+    q, kv = torch.zeros(1, 9, 64), torch.zeros(1, 3, 64)
+    blocks, length = torch.tensor([[0, 1]]), torch.tensor([20])
+    op = torch.ops.pdserve.paged_decode
+    before = cache.kv.clone()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(q, kv, kv, keys, values, torch.tensor([640]), blocks, length, 16)
+    with pytest.raises(RuntimeError, match="block out of range"):
+        op(q, kv, kv, keys, values, torch.tensor([3]), torch.tensor([[0, 40]]), length, 16)
+    with pytest.raises(RuntimeError, match="does not fit its blocks"):
+        op(q, kv, kv, keys, values, torch.tensor([3]), blocks, torch.tensor([33]), 16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(q, kv.bfloat16(), kv, keys, values, torch.tensor([3]), blocks, length, 16)
+    with pytest.raises(RuntimeError, match="do not agree"):
+        op(torch.zeros(1, 8, 64), kv, kv, keys, values, torch.tensor([3]), blocks, length, 16)
+    assert torch.equal(cache.kv, before)  # refused before anything was written
+
+
+def test_step_ops_are_decided_and_named_in_the_fingerprint():
+    assert step_ops.resolve("auto", "fast", "bfloat16") == "native"  # this machine runs them
+    assert step_ops.resolve("auto", "invariant", "bfloat16") == "torch"
+    assert step_ops.resolve("auto", "fast", "float16") == "torch"
+    with pytest.raises(ValueError, match="needs --numerics fast"):
+        step_ops.resolve("native", "invariant", "float32")
+    with pytest.raises(ValueError, match="--step-ops must be one of"):
+        step_ops.resolve("fused", "fast", "float32")
+    native_model = load_served_model("tinygpt", weights=False, step_ops="auto")
+    torch_model = load_served_model("tinygpt", weights=False, step_ops="torch")
+    assert native_model.config.step_ops == "native" and torch_model.config.step_ops == "torch"
+    assert native_model.fingerprint != torch_model.fingerprint
+
+
+def test_a_served_step_on_either_ops_gives_the_same_greedy_tokens():
+    """TinyGPT in float32: five decode steps of four sequences, native against torch ops."""
+    tokens = {}
+    for ops in ("native", "torch"):
+        model = load_served_model("tinygpt", step_ops=ops)
+        cache, pool = PagedCache(model.config, 32, 16), BlockPool(32, 16)
+        prompts = [[(7 * i + 13 * j) % 250 for j in range(n)] for i, n in enumerate([3, 40, 90])]
+        tables = [pool.reserve(len(p) + 6) for p in prompts]
+        for table, prompt in zip(tables, prompts):
+            table.ensure(len(prompt) + 6)
+
+            def keep(layer, k, v, table=table, prompt=prompt):
+                cache.write(layer, table.slots(0, len(prompt)), k, v)
+
+            model.built.prefill_packed([prompt], keep)
+        lengths, step_tokens, out = [len(p) for p in prompts], [1, 2, 3], []
+        for _ in range(5):
+            logits = model.built.decode_paged(
+                step_tokens, lengths, cache.step_view(tables, lengths)
+            )
+            step_tokens = logits.argmax(-1).tolist()
+            out.append(step_tokens)
+            lengths = [n + 1 for n in lengths]
+        tokens[ops] = out
+    assert tokens["native"] == tokens["torch"]
