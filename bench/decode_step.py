@@ -7,6 +7,8 @@ projections, and the output head, in the format being served (so q4's floor is q
 What the step spends beyond the floor is per-op overhead, RoPE, norms and attention.
 
 q4 runs on either kernel (q4:torch, q4:native; pdserve/kernels/native.py); each is its own floor.
+--step-ops torch native runs each format with torch's ops and with the fused native step ops
+(pdserve/kernels/step_ops.py) for the rest of the step, interleaved, and gives their ratio.
 
 Goal (the engine issue): step <= 1.3 x floor at batch 1, 16 and 64. Configurations (format x
 threads x batch) are interleaved repeat by repeat; each figure is the median over --repeats, with
@@ -103,30 +105,47 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--context", type=int, default=150, help="tokens cached per sequence")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--step-ops", default="auto", choices=["auto", "torch", "native"])
+    p.add_argument("--step-ops", nargs="+", default=["auto"], choices=["auto", "torch", "native"])
     p.add_argument("--out", default=str(RESULTS / "decode_step.json"))
     args = p.parse_args()
-    setups = {fmt: Setup(fmt, args.batches, args.context, args.step_ops) for fmt in args.formats}
-    configs = [(f, t, b) for t in args.threads for b in args.batches for f in args.formats]
+    setups = {
+        (fmt, ops): Setup(fmt, args.batches, args.context, ops)
+        for fmt in args.formats
+        for ops in args.step_ops
+    }
+    configs = [
+        (f, o, t, b)
+        for t in args.threads
+        for b in args.batches
+        for f in args.formats
+        for o in args.step_ops
+    ]
     step: dict[tuple, list[float]] = {c: [] for c in configs}
     floor: dict[tuple, list[float]] = {c: [] for c in configs}
     for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
-        for fmt, threads, batch in configs:
+        for fmt, ops, threads, batch in configs:
             torch.set_num_threads(threads)
-            s, f = timed(setups[fmt].step, batch), timed(setups[fmt].floor, batch)
+            setup = setups[(fmt, ops)]
+            s, f = timed(setup.step, batch), timed(setup.floor, batch)
             if repeat:
-                step[(fmt, threads, batch)].append(s)
-                floor[(fmt, threads, batch)].append(f)
+                step[(fmt, ops, threads, batch)].append(s)
+                floor[(fmt, ops, threads, batch)].append(f)
     rows = [row(c, step, floor) for c in configs]
     for r in rows:
         print(
-            f"{r['format']:>9} threads {r['threads']} batch {r['batch']:>2}: step "
+            f"{r['format']:>9} {r['step_ops']:>6} ops, threads {r['threads']} batch {r['batch']:>2}: step "
             f"{r['step_ms']['median']:6.1f} ms, linear floor {r['floor_ms']['median']:6.1f} ms, "
             f"step/floor {r['step_over_floor']['median']:.2f} "
             f"({r['step_over_floor']['min']:.2f}-{r['step_over_floor']['max']:.2f})"
             + (
                 f", dense/this {r['dense_over_this']['median']:.2f}"
                 if "dense_over_this" in r
+                else ""
+            )
+            + (
+                f", torch ops/this {r['torch_ops_over_this']['median']:.2f} "
+                f"({r['torch_ops_over_this']['min']:.2f}-{r['torch_ops_over_this']['max']:.2f})"
+                if "torch_ops_over_this" in r
                 else ""
             )
             + (
@@ -138,7 +157,8 @@ def main() -> None:
         )
     conditions = {
         "model": MODEL,
-        "dtype": setups[args.formats[0]].served.config.dtype,
+        "dtype": next(iter(setups.values())).served.config.dtype,
+        "step_ops": {f"{f}/{o}": s.served.config.step_ops for (f, o), s in setups.items()},
         "context_tokens": args.context,
         "repeats": args.repeats,
         "inner_steps": INNER,
@@ -149,20 +169,24 @@ def main() -> None:
 
 
 def row(config: tuple, step: dict, floor: dict) -> dict:
-    fmt, threads, batch = config
+    fmt, ops, threads, batch = config
     ratios = [s / f for s, f in zip(step[config], floor[config])]
     out = {
         "format": fmt,
+        "step_ops": ops,
         "threads": threads,
         "batch": batch,
         "step_ms": spread(step[config]),
         "floor_ms": spread(floor[config]),
         "step_over_floor": spread(ratios),
     }
-    dense = ("dense", threads, batch)
+    dense = ("dense", ops, threads, batch)
     if fmt != "dense" and dense in step:
         out["dense_over_this"] = spread(d / s for d, s in zip(step[dense], step[config]))
-    torch_q4 = ("q4:torch", threads, batch)
+    torch_ops = (fmt, "torch", threads, batch)
+    if ops != "torch" and torch_ops in step:
+        out["torch_ops_over_this"] = spread(t / s for t, s in zip(step[torch_ops], step[config]))
+    torch_q4 = ("q4:torch", ops, threads, batch)
     if fmt == "q4:native" and torch_q4 in step:
         out["q4_torch_over_this"] = spread(t / s for t, s in zip(step[torch_q4], step[config]))
     return out

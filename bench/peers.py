@@ -55,7 +55,14 @@ MODEL = "smollm2-135m-instruct"
 START_TIMEOUT = 300.0
 LOADED_TIMEOUT = 240.0  # a system whose streams have not finished by then is reported unfinished
 BENCH = Path(__file__).resolve().parent
-NATIVE_KERNEL = "pdserve colocated, native q4 kernel"  # run only when named in --only
+NATIVE_KERNEL = "pdserve colocated, native q4 kernel"
+# pdserve with torch's ops for the rest of the step (--step-ops torch), the default before the
+# fused native step ops.
+TORCH_OPS = {
+    "pdserve colocated, torch step ops": "pdserve colocated",
+    "pdserve disaggregated, torch step ops": "pdserve disaggregated",
+}
+OPT_IN = {NATIVE_KERNEL, *TORCH_OPS}  # run only when named in --only
 
 
 class Server:
@@ -137,6 +144,8 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
             env,
         ),
     }
+    for variant, system in TORCH_OPS.items():
+        systems[variant] = (systems[system][0] + ["--step-ops", "torch"], env)
     if args.vllm_python:
         venv = Path(args.vllm_python).absolute().parent.parent  # not resolved: bin/python links out
         vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
@@ -307,9 +316,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="pdserve-peers-")
     names = list(commands(args, 0))
     names = (
-        [n for n in names if n in args.only]
-        if args.only
-        else [n for n in names if n != NATIVE_KERNEL]
+        [n for n in names if n in args.only] if args.only else [n for n in names if n not in OPT_IN]
     )
     runs: dict[str, dict[int, list[dict]]] = {n: {s: [] for s in args.streams} for n in names}
     startup: dict[str, list[float]] = {n: [] for n in names}
@@ -432,6 +439,10 @@ def goals(summary: dict, streams: list[int]) -> dict:
         out[f"colocated on the native q4 kernel / on torch's, tokens/s, {s} streams"] = ratio(
             median(NATIVE_KERNEL, key, "tokens_per_s"), median(colo, key, "tokens_per_s")
         )
+        for variant, system in TORCH_OPS.items():
+            out[f"{system} on the native step ops / on torch's, tokens/s, {s} streams"] = ratio(
+                median(system, key, "tokens_per_s"), median(variant, key, "tokens_per_s")
+            )
         out[f"colocated decode tokens/s / engine ceiling, {s} streams (goal >= 0.9)"] = ratio(
             median(colo, key, "decode_tokens_per_s"), median("engine ceiling", key, "tokens_per_s")
         )
