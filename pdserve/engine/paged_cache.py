@@ -91,7 +91,9 @@ class DecodeStepKv:
     The cost follows the sum of the context lengths, not batch x longest: sequences are grouped
     into buckets of similar length (lengths.py), and each bucket is gathered and padded only to its
     own longest member. One long request therefore costs its own KV read, not a 30x slowdown of
-    every short stream beside it. Slot indices are built with tensor ops, once per step.
+    every short stream beside it. Slot indices are built with tensor ops, once per step. With
+    the native step ops (PagedCache.fused_decode) one call per layer writes the new K and V and
+    attends each sequence over its own blocks, so no buckets are built at all.
     """
 
     def __init__(
@@ -112,15 +114,22 @@ class DecodeStepKv:
         self._new = torch.tensor(
             new + [s for c in chunks for s in c.table.slots(c.start, c.end)], dtype=torch.long
         )
-        self._fused = None
-        if cache.fused_decode and lengths:
-            self._fused = _FusedDecode(tables, lengths, block_size)
-            self.buckets: list[_Bucket] = []
-            self._order = None
-            return
+        # The native op attends each sequence over its own blocks: no buckets to gather.
+        fused = cache.fused_decode and bool(lengths)
+        self._fused = _FusedDecode(tables, lengths, block_size) if fused else None
+        self.buckets = [] if fused else self._bucketed(tables, lengths, block_size)
+        members = [i for b in self.buckets for i in b.members]
+        # None where one bucket holds the sequences in batch order (sequences about as long as
+        # each other, the usual case): no gather of q and no reordering of the output.
+        in_order = len(self.buckets) == 1 and members == list(range(len(members)))
+        self._order = None if in_order or not members else torch.tensor(members).argsort()
+
+    def _bucketed(
+        self, tables: list[BlockTable], lengths: list[int], block_size: int
+    ) -> list["_Bucket"]:
         # Invariant attention sums whole chunks of keys: a bucket gathers that many blocks.
-        align = max(1, cache.attention.KEY_ALIGNMENT // block_size)
-        self.buckets = [
+        align = max(1, self._cache.attention.KEY_ALIGNMENT // block_size)
+        return [
             _Bucket(
                 members,
                 [tables[i] for i in members],
@@ -130,11 +139,6 @@ class DecodeStepKv:
             )
             for members in buckets_by_length(lengths)
         ]
-        members = [i for b in self.buckets for i in b.members]
-        # None where one bucket holds the sequences in batch order (sequences about as long as
-        # each other, the usual case): no gather of q and no reordering of the output.
-        in_order = len(self.buckets) == 1 and members == list(range(len(members)))
-        self._order = None if in_order or not members else torch.tensor(members).argsort()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
@@ -189,7 +193,16 @@ class _FusedDecode:
         self.spans = torch.tensor(spans, dtype=torch.long)
         self.block_size = block_size
 
-    def attend(self, q, k, v, keys, values, new_slots) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [decodes, heads, dim]; k, v [every new row, kv_heads, dim], written at new_slots."""
         return torch.ops.pdserve.paged_decode(
             q, k, v, keys, values, new_slots, self.blocks, self.spans, self.block_size
         )

@@ -27,7 +27,7 @@ from pdserve.loadtest.runner import RunOptions, RunResult
 from pdserve.loadtest.stats import DEFAULT_PERCENTILES, meets_slo, percentile_word, summarize
 from pdserve.loadtest.stats import vllm_lists
 from pdserve.loadtest.workload import WorkloadSpec, format_rate
-from pdserve.core.config import ModelConfig
+from pdserve.core.config import STEP_OPS, ModelConfig
 
 SCHEMA = "pdserve.loadtest/1"
 METRICS = (
@@ -79,13 +79,19 @@ def local_parameter_count(info: dict) -> tuple[int | None, str]:
     it can load itself with the same fingerprint (same shapes, dtype and weights)."""
     from pdserve.models import loading  # torch-free unless weights are built (never here)
 
+    # The step ops change how a step is computed, not the weights: either may match.
     if info["architecture"] == "TinyGPT":
-        config = ModelConfig(dtype=info["dtype"])
-        if loading.fingerprint(config, []) == info["fingerprint"]:
-            return parameter_count(config), "counted from ModelConfig(); fingerprint matches"
+        for ops in STEP_OPS:
+            config = ModelConfig(dtype=info["dtype"], step_ops=ops)
+            if loading.fingerprint(config, []) == info["fingerprint"]:
+                return parameter_count(config), "counted from ModelConfig(); fingerprint matches"
         return None, "a TinyGPT with other shapes than ModelConfig()'s defaults"
     try:
-        local = loading.load_served_model(info["name"], dtype=info["dtype"], weights=False)
+        local = loading.load_served_model(
+            info["name"], dtype=info["dtype"], weights=False, step_ops="torch"
+        )
+        if local.fingerprint != info["fingerprint"]:
+            local = loading.load_served_model(info["name"], dtype=info["dtype"], weights=False)
     except Exception as exc:  # noqa: BLE001 - a missing local copy only costs the count
         return None, f"not counted: no local copy of {info['name']!r} ({type(exc).__name__})"
     if local.fingerprint != info["fingerprint"]:
