@@ -31,6 +31,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Prot
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from pdserve import metrics
 from pdserve.core.shown import shown
@@ -128,7 +129,7 @@ class HttpApi:
         # handler_cancellation: a client that disconnects cancels its handler (and so its
         # request); no access log: requests are counted in metrics, and a log line per token
         # stream is noise. keepalive_timeout is also the deadline for a request's headers.
-        return web.AppRunner(
+        return _Runner(
             self.app(),
             handler_cancellation=True,
             access_log=None,
@@ -265,6 +266,45 @@ class _ParserLog(logging.LoggerAdapter):
                 REFUSED_LOG.warning(*args)
             return
         super().log(level, msg, *args, **kwargs)
+
+
+class _RefusingHandler(RequestHandler):
+    """aiohttp's connection handler, but a request its parser refuses is answered without its
+    bytes. aiohttp's own 400 quotes the offending line back, and that line may be
+    `Authorization: Bearer <key>`: it would reach every proxy and log between the client and
+    us. The answer names only the kind of refusal, as the log line does (_ParserLog)."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError):
+            message = f"malformed HTTP request ({type(exc).__name__}); its bytes are not echoed"
+        return super().handle_error(request, status, exc, message)
+
+
+class _Runner(web.AppRunner):
+    """AppRunner whose connections are handled by _RefusingHandler. aiohttp offers no option
+    for its parser's error page, so the server it makes is rebuilt with our handler class;
+    tests/test_http_hostile.py fails if a newer aiohttp stops honouring it."""
+
+    async def _make_server(self) -> web.Server:
+        made = await super()._make_server()
+        return _RefusingServer(
+            made.request_handler,
+            request_factory=made.request_factory,
+            handler_cancellation=made.handler_cancellation,
+            loop=made._loop,
+            **made._kwargs,
+        )
+
+
+class _RefusingServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _RefusingHandler(self, loop=self._loop, **self._kwargs)
 
 
 async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
