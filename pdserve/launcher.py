@@ -117,8 +117,11 @@ def stack_commands(
             str(num_blocks),
             *metrics(2),
         ],
+        # Prefill sends KV to this stack's decode and nowhere else: without a list it would
+        # dial any loopback port a Prefill call names, and any local user can call it.
         "prefill": base
-        + ["prefill", *loopback, "--port", str(prefill_port), *placed("prefill"), *metrics(1)],
+        + ["prefill", *loopback, "--port", str(prefill_port), *placed("prefill"), *metrics(1)]
+        + ["--decode-allow", f"127.0.0.1:{decode_port}"],
         "router": base
         + [
             "router",

@@ -1,20 +1,24 @@
 """`pdserve bench` against a real stack: `pdserve up` on a free port, 20 requests at 8 req/s,
-its services' /metrics read too."""
+its services' /metrics read too; and that stack's prefill sending KV to its own decode only."""
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from pdserve.loadtest import cli, report
 from pdserve.client import check_health
 from pdserve.core.config import ModelConfig
 from pdserve.launcher import free_port
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 READY_SECONDS = 90.0
 NUM_REQUESTS = 20
@@ -22,7 +26,7 @@ NUM_REQUESTS = 20
 
 @pytest.fixture(scope="module")
 def stack():
-    port = free_port()
+    port, prefill_port = free_port(), free_port()
     metrics_port = _free_ports_in_a_row(3)  # router; prefill and decode on the next two
     proc = subprocess.Popen(
         [
@@ -32,6 +36,8 @@ def stack():
             "up",
             "--port",
             str(port),
+            "--prefill-port",
+            str(prefill_port),
             "--http-port",
             "0",
             "--metrics-base-port",
@@ -53,7 +59,7 @@ def stack():
             if time.monotonic() > deadline:
                 pytest.fail(f"the stack was not serving after {READY_SECONDS:.0f} s")
             time.sleep(0.25)
-        yield address, metrics_port
+        yield address, metrics_port, f"127.0.0.1:{prefill_port}"
     finally:
         _stop(proc)
 
@@ -95,7 +101,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_bench_against_stack(stack, tmp_path, capsys):
-    stack, metrics_port = stack
+    stack, metrics_port, _ = stack
     out = tmp_path / "run.json"
     rc = cli.main(
         [
@@ -247,3 +253,33 @@ def test_bench_against_stack(stack, tmp_path, capsys):
     if "--plot" in args:
         assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(doc, allow_nan=False)  # strict JSON
+
+
+def test_the_stacks_prefill_dials_no_loopback_port_but_its_decodes(stack):
+    """A Prefill call naming another local port (any local user can make one over plaintext)
+    is refused before a connection is tried: `pdserve up` gives prefill its decode's address
+    as the allow-list, where without one any loopback port would be dialled."""
+    _, _, prefill = stack
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        with grpc.insecure_channel(prefill) as channel:
+            info = pb_grpc.ModelInfoServiceStub(channel).GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=10
+            )
+            request = pb.PrefillRequest(
+                request_id="probe",
+                prompt_token_ids=[7] * 8,
+                sampling=pb.SamplingParams(max_tokens=1),
+                lease_id="0" * 32,
+                decode_address=f"127.0.0.1:{port}",
+                model_fingerprint=info.model.fingerprint,
+                data_endpoints=[pb.DataEndpoint(transport="tcp", port=port)],
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        assert "--decode-allow" in err.value.details()
+        assert not select.select([listener], [], [], 0.5)[0], "prefill connected anyway"
+    finally:
+        listener.close()

@@ -287,6 +287,13 @@ def test_up_hands_model_and_dtype_to_every_service():
         assert (common.model, common.dtype, common.weights) == ("tinygpt", "bfloat16", "auto")
 
 
+def test_up_lets_prefill_send_kv_to_its_own_decode_only():
+    commands = stack_commands(50051, 50052, 50053, 64, 1)
+    argv = commands["prefill"][commands["prefill"].index("serve") :]
+    settings = cfg.settings_from_args("prefill", build_parser().parse_args(argv))
+    assert settings.decode_allow == ["127.0.0.1:50053"]
+
+
 def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
     args = build_parser().parse_args(["up"])
     assert cfg.as_flags(cfg.CommonSettings, args, SHARED_SETTINGS) == [
