@@ -19,7 +19,7 @@ from typing import ClassVar, Protocol, get_type_hints
 from pdserve.core.config import (
     AUTO_WEIGHTS,
     NUMERICS,
-    Q4_KERNELS,
+    Q4_KERNEL_CHOICES,
     STEP_OPS_CHOICES,
     WEIGHT_FORMATS,
 )
@@ -87,11 +87,13 @@ class CommonSettings:
         "model's fingerprint",
     )
     q4_kernel: str = setting(
-        "torch",
-        "what multiplies q4 layers: torch (torch's int4 kernel) or native (pdserve's AVX2 "
+        "auto",
+        "what multiplies q4 layers: torch (torch's int4 kernel), native (pdserve's AVX2 "
         "kernel on llama.cpp's own Q4_1 bytes, activations rounded to 8 bits as llama.cpp "
-        "does; built by scripts/install.sh, needs AVX2, FMA and F16C). Every service must "
-        "agree: it is part of the model's fingerprint",
+        "does; built by scripts/install.sh, needs AVX2, FMA and F16C), or auto: torch where "
+        "torch runs AVX-512 code, native elsewhere that it runs (the faster of the two on each, "
+        "as measured). Every service must agree: it is part of the model's fingerprint, so "
+        "name the kernel where prefill and decode run on different kinds of CPU",
     )
     step_ops: str = setting(
         "auto",
@@ -150,7 +152,7 @@ class CommonSettings:
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "weights", (AUTO_WEIGHTS, *WEIGHT_FORMATS))
         _one_of(self, "numerics", NUMERICS)
-        _one_of(self, "q4_kernel", Q4_KERNELS)
+        _one_of(self, "q4_kernel", Q4_KERNEL_CHOICES)
         _one_of(self, "step_ops", STEP_OPS_CHOICES)
         _one_of(self, "log_level", LOG_LEVELS, self.log_level.upper())
         parse_cpu_list(self.cpus)  # ValueError on a malformed list

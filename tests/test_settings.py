@@ -306,7 +306,7 @@ def test_up_with_the_checkpoint_dtype_passes_an_empty_dtype():
         "--numerics",
         "fast",
         "--q4-kernel",
-        "torch",
+        "auto",
         "--step-ops",
         "auto",
     ]

@@ -19,8 +19,10 @@ AUTO_WEIGHTS = "auto"
 # any path (prompt, chunk, decode, migration), at a cost (pdserve/models/invariant_attention.py).
 NUMERICS = ("fast", "invariant")
 # The kernel that multiplies q4 layers (pdserve/kernels/native.py): torch's int4 kernel, or
-# pdserve's own, computing as llama.cpp does; "" for the other formats.
+# pdserve's own, computing as llama.cpp does; "" for the other formats. --q4-kernel auto picks
+# the one measured faster on this kind of CPU.
 Q4_KERNELS = ("torch", "native")
+Q4_KERNEL_CHOICES = ("auto", *Q4_KERNELS)
 # How a step's work besides the matrices runs (pdserve/kernels/step_ops.py): torch's own ops, or
 # pdserve's fused ones (norms, RoPE, paged decode attention in one call each); --step-ops auto
 # picks native where it can run. Fast numerics and float32 or bfloat16 only.

@@ -2,11 +2,14 @@
 kernel beside torch's, and the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py).
 
 `--q4-kernel` picks how q4 layers multiply:
-  torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16 (the default)
+  torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16
   native  q4_1_avx2.cpp, on llama.cpp's own block_q4_1 bytes: activations rounded to int8 per
           block of 32 and integer dot products, as llama.cpp computes Q4_1. It needs x86-64
-          Linux with AVX2, FMA and F16C. Measured on an AVX-512 EPYC it is as fast as torch's
-          at one row and slower from 4 (docs/measurements.md), so it is not the default.
+          Linux with AVX2, FMA and F16C.
+  auto    (the default) native where torch's own CPU kernels run their AVX2 code, torch where
+          they run AVX-512 code. Measured (docs/measurements.md, "Which q4 kernel"): on an
+          AVX-512 EPYC torch's is as fast at one row and faster from 4; on an AVX2-only EPYC
+          the native one is 1.8-2.0x faster at one row and 1.2-1.4x at 4-64 rows.
 
 The two give slightly different logits, so the kernel is part of the model's fingerprint: a
 prefill and a decode on different kernels refuse each other's KV by name.
@@ -33,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.core.config import Q4_KERNELS
+from pdserve.core.config import Q4_KERNEL_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ LIBRARY_PREFIX = "pdserve_native-"
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 FLAGS += ["-std=c++20"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
+# What torch's CPU dispatch needs to run its AVX-512 kernels (its cpuinfo check).
+TORCH_AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 BUILD_TIMEOUT_S = 600
 
 _loaded = False
@@ -55,13 +60,29 @@ class KernelUnavailable(ValueError):
 
 
 def require(choice: str) -> str:
-    """`--q4-kernel` checked: native only where this machine can build and run it."""
-    if choice not in Q4_KERNELS:
-        raise ValueError(f"--q4-kernel must be one of {', '.join(Q4_KERNELS)}, got {choice!r}")
+    """`--q4-kernel` checked and `auto` resolved: native only where this machine can build and
+    run it."""
+    if choice not in Q4_KERNEL_CHOICES:
+        raise ValueError(
+            f"--q4-kernel must be one of {', '.join(Q4_KERNEL_CHOICES)}, got {choice!r}"
+        )
+    if choice == "auto":
+        return auto_choice()
     reason = why_unavailable() if choice == "native" else None
     if reason is not None:
         raise KernelUnavailable(f"--q4-kernel native cannot run here: {reason}")
     return choice
+
+
+def auto_choice() -> str:
+    """The kernel `--q4-kernel auto` picks here: torch's where torch dispatches its AVX-512 code
+    (there torch's int4 kernel was measured as fast or faster), else the native one where it
+    can run, else torch's. Read from the CPU's flags, not from torch, which the router (it
+    computes the same fingerprint) never imports."""
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()  # torch's own override
+    if forced.startswith("avx512") or (not forced and TORCH_AVX512_FLAGS <= _cpu_flags()):
+        return "torch"
+    return "native" if why_unavailable() is None else "torch"
 
 
 def why_unavailable() -> str | None:

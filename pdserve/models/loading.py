@@ -39,9 +39,11 @@ class ServedModel:
     @property
     def identity(self) -> str:
         """How errors name this model."""
+        c = self.config
+        kernel = f" on the {c.q4_kernel} kernel" if c.q4_kernel else ""
         return (
-            f"{self.name} ({self.config.architecture}, {self.config.dtype}, "
-            f"fingerprint {self.fingerprint})"
+            f"{self.name} ({c.architecture}, {c.dtype}, {c.weights}{kernel}, "
+            f"{c.step_ops} step ops, fingerprint {self.fingerprint})"
         )
 
     @property
@@ -58,7 +60,7 @@ def load_served_model(
     weights: bool = True,
     weight_format: str = "dense",
     numerics: str = "fast",
-    q4_kernel: str = "torch",
+    q4_kernel: str = "auto",
     step_ops: str = "auto",
 ) -> ServedModel:
     """`weight_format` (--weights) is how the linear layers hold their weights; `auto` picks
@@ -153,5 +155,6 @@ def check_same_model(served: ServedModel, fingerprint: str, what: str) -> None:
     if fingerprint != served.fingerprint:
         raise ModelMismatch(
             f"{what} is for model {fingerprint or '(none named)'}, but this "
-            f"instance serves {served.identity}"
+            f"instance serves {served.identity}; every service must agree on --dtype, "
+            "--weights, --numerics, --q4-kernel and --step-ops (auto ones resolve by CPU)"
         )
