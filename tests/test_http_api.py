@@ -380,7 +380,9 @@ BAD_INPUT = {
     "temperature negative": (body(temperature=-0.5), JSON, 400, "temperature", None),
     "top_p above one": (body(top_p=1.5), JSON, 400, "top_p", None),
     "seed negative": (body(seed=-1), JSON, 400, "seed", "seed"),
-    "n above one": (body(n=2), JSON, 400, "n must be 1", "n"),
+    "n above eight": (body(n=9), JSON, 400, "n must be an integer in [1, 8]", "n"),
+    "n zero": (body(n=0), JSON, 400, "n must be an integer in [1, 8]", "n"),
+    "n with echo": (body(n=2, echo=True), JSON, 400, "one completion", "echo"),
     "stream_options without stream": (
         body(stream_options={"include_usage": True}),
         JSON,

@@ -10,12 +10,18 @@ cached instead of going back, once their KV is known to be written (`prompt_writ
 reservation may start with the cached blocks of its prompt's longest cached prefix (`reuse`),
 shared read-only; and idle cached blocks are evicted, oldest first, when a reservation needs
 room. They count as available all along.
+
+A request with several completions (n) reserves room for all of them at once. Once its prompt's
+KV is written, `BlockTable.fork` gives each further completion a table that shares the blocks
+before the prompt's last token, read only (they go back when the last table sharing them does),
+and has the rest of its room of its own.
 """
 
 import threading
 from collections.abc import Sequence
 
 from pdserve.core.prefix_cache import PrefixCache, block_keys
+from pdserve.core.request import GenerateSpec
 
 
 class PoolExhausted(Exception):
@@ -40,6 +46,16 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def shared_by_forks(self, prompt_len: int) -> int:
+        """Blocks that the completions of one prompt share: those before its last token's,
+        which every completion writes again (its first step runs that token)."""
+        return (prompt_len - 1) // self.block_size
+
+    def blocks_for_choices(self, tokens: int, prompt_len: int, choices: int) -> int:
+        """Blocks for `choices` completions of `tokens` tokens each, from one prompt."""
+        each = self.blocks_for(tokens)
+        return each + (choices - 1) * (each - self.shared_by_forks(prompt_len))
+
     @property
     def available_blocks(self) -> int:
         """Blocks that a new reservation could still get (idle cached ones included)."""
@@ -54,18 +70,41 @@ class BlockPool:
     def _room(self) -> int:
         return len(self._free) - self._promised + (self.cache.idle_blocks if self.cache else 0)
 
+    def blocks_wanted(self, spec: GenerateSpec) -> int:
+        """Blocks a request reserves: room for every completion of it."""
+        return self.blocks_for_choices(spec.max_total_tokens, spec.prompt_len, spec.sampling.n)
+
+    def reserve_for(self, spec: GenerateSpec) -> "BlockTable":
+        """A request's reservation: every completion's room, starting from the longest prefix
+        of its prompt cached under its salt."""
+        return self.reserve(
+            spec.max_total_tokens,
+            spec.prompt_token_ids,
+            reuse=True,
+            salt=spec.cache_salt,
+            choices=spec.sampling.n,
+        )
+
     def reserve(
-        self, tokens: int, prompt: Sequence[int] = (), reuse: bool = False, salt: bytes = b""
+        self,
+        tokens: int,
+        prompt: Sequence[int] = (),
+        reuse: bool = False,
+        salt: bytes = b"",
+        choices: int = 1,
     ) -> "BlockTable":
         """A table with room for `tokens` tokens, or PoolExhausted. With a prefix cache,
         `prompt` names the blocks the table may leave cached when released, and `reuse` starts
         the table with the cached blocks of the prompt's longest cached prefix (never its last
         token, whose logits give the first output token): `cached_tokens` says how many. Only
-        blocks cached under the same `salt` are found."""
-        need = self.blocks_for(tokens)
+        blocks cached under the same `salt` are found. `choices` > 1 also reserves the room
+        that the table's forks (the prompt's further completions) will take."""
+        each = self.blocks_for(tokens)
+        need = self.blocks_for_choices(tokens, len(prompt), choices)
         if need > self.num_blocks:
             raise NeverFits(
-                f"request larger than the KV pool: it needs {need} blocks ({tokens} tokens); "
+                f"request larger than the KV pool: it needs {need} blocks ({tokens} tokens"
+                f"{f' for each of {choices} completions' if choices > 1 else ''}); "
                 f"the whole pool has {self.num_blocks}"
             )
         keys = block_keys(prompt, self.block_size, salt) if self.cache is not None else []
@@ -82,7 +121,9 @@ class BlockPool:
             if short > 0 and self.cache is not None:
                 self._free.extend(self.cache.evict(short))
             self._promised += new
-        return BlockTable(self, need, shared, keys)
+        table = BlockTable(self, each, shared, keys, len(prompt))
+        table.fork_promise = need - each
+        return table
 
     def _shared_prefix(self, keys: list[bytes], prompt_len: int) -> list[int]:
         if self.cache is None or prompt_len == 0:
@@ -97,8 +138,9 @@ class BlockPool:
     def _give_back(
         self, blocks: list[int], unused_promise: int, shared: int, keys: list[bytes]
     ) -> None:
-        """Shared blocks go back to the cache; owned full prompt blocks whose KV is written
-        (`keys` names them) become cached; the rest are free again."""
+        """`blocks` hold a table's positions from 0. Shared blocks go back to the cache; owned
+        full prompt blocks whose KV is written (`keys` names them) become cached; the rest are
+        free again."""
         with self._lock:
             freed = blocks[shared:]
             if self.cache is not None:
@@ -113,12 +155,23 @@ class BlockPool:
             self._promised -= unused_promise
 
 
+class _ForkedBlocks:
+    """A prompt's blocks that several completions' tables read: whoever releases last gives
+    them back, as the first table would have given them back alone."""
+
+    def __init__(self, blocks: list[int], shared: int, keys: list[bytes]) -> None:
+        self.blocks, self.shared, self.keys = blocks, shared, keys
+        self.kept: list[int] = []  # the first table's full prompt blocks after these
+        self.holders = 1
+
+
 class BlockTable:
     """The blocks of one sequence, in token order, within a reservation of `capacity_blocks`.
 
     The first `shared` blocks come from the prefix cache, already holding the prompt's first
     `cached_tokens` tokens of KV; they are read, never written. Set `prompt_written` once the
-    whole prompt's KV is in, so that release may leave its full blocks cached."""
+    whole prompt's KV is in, so that release may leave its full blocks cached. `fork_promise`
+    is the room reserved for the table's forks, not yet handed to one."""
 
     def __init__(
         self,
@@ -126,6 +179,7 @@ class BlockTable:
         capacity_blocks: int,
         shared: list[int] | None = None,
         keys: list[bytes] | None = None,
+        prompt_len: int = 0,
     ) -> None:
         self._pool = pool
         self.capacity_blocks = capacity_blocks
@@ -133,8 +187,11 @@ class BlockTable:
         self.shared = len(self.blocks)
         self.cached_tokens = self.shared * pool.block_size
         self._keys = keys or []
+        self._prompt_len = prompt_len
         self.prompt_written = False
         self.released = False
+        self.fork_promise = 0
+        self._forked: _ForkedBlocks | None = None  # the blocks it shares with its forks
 
     @property
     def capacity_tokens(self) -> int:
@@ -155,12 +212,50 @@ class BlockTable:
         bs = self._pool.block_size
         return [self.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def fork(self) -> "BlockTable":
+        """A table for another completion of this prompt, whose KV is written: it shares the
+        blocks before the prompt's last token and has room for the rest of its own, taken from
+        `fork_promise`. It holds the last token's block already; the caller copies that block's
+        KV into it."""
+        if self.released or not self.prompt_written:
+            raise RuntimeError("only a live table whose prompt is written can be forked")
+        pool, first_own = self._pool, self._pool.shared_by_forks(self._prompt_len)
+        own = self.capacity_blocks - first_own
+        if own > self.fork_promise:
+            raise RuntimeError("the reservation has no room left for another completion")
+        if self._forked is None:
+            self._forked = _ForkedBlocks(self.blocks[:first_own], self.shared, self._keys)
+        self._forked.holders += 1
+        self.fork_promise -= own
+        child = BlockTable(pool, self.capacity_blocks, prompt_len=self._prompt_len)
+        child.blocks, child._forked = list(self._forked.blocks), self._forked
+        child.ensure(self._prompt_len)
+        return child
+
     def release(self) -> None:
         """Returns every block and the unused part of the reservation; safe to call twice."""
         if self.released:
             return
         self.released = True
-        keys = self._keys if self.prompt_written else []
-        unused = self.capacity_blocks - len(self.blocks)
-        self._pool._give_back(self.blocks, unused, self.shared, keys)
+        unused = self.capacity_blocks - len(self.blocks) + self.fork_promise
+        forked, self.fork_promise = self._forked, 0
+        if forked is None:
+            keys = self._keys if self.prompt_written else []
+            self._pool._give_back(self.blocks, unused, self.shared, keys)
+        else:
+            self._release_forked(forked, unused)
         self.blocks = []
+
+    def _release_forked(self, forked: _ForkedBlocks, unused: int) -> None:
+        """The blocks past the shared ones go back now, except full prompt blocks that may stay
+        cached: those join the shared ones, so that all go back in order, parents after
+        children, when the last table holding them is released."""
+        own = self.blocks[len(forked.blocks) :]
+        keys = self._keys if self.prompt_written else []  # a fork's table has none
+        keyed = max(0, min(len(keys), len(self.blocks)) - len(forked.blocks))
+        forked.kept += own[:keyed]
+        self._pool._give_back(own[keyed:], unused, 0, [])
+        forked.holders -= 1
+        if forked.holders == 0:
+            blocks = forked.blocks + forked.kept
+            self._pool._give_back(blocks, 0, forked.shared, forked.keys)

@@ -14,6 +14,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0  # OpenAI: "values from -100 to 100"
 MAX_PENALTY = 2.0  # OpenAI: frequency and presence penalties "between -2.0 and 2.0"
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat API: top_logprobs "between 0 and 20"
+MAX_CHOICES = 8  # completions per request (n): each one holds its own blocks on decode
+_SEED_MASK = (1 << 64) - 1
 
 
 class InvalidRequest(ValueError):
@@ -41,6 +43,12 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
     logprobs: bool = False  # report each token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives'
+    n: int = 1  # completions from the one prompt; completion i samples with choice_seed(i)
+
+    def choice_seed(self, index: int) -> int:
+        """Completion `index`'s seed: seed + index, so that each one gives the tokens a request
+        of one completion with that seed would."""
+        return (self.seed + index) & _SEED_MASK
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +153,10 @@ def _check_sampling(s: SamplingSpec) -> None:
         raise InvalidRequest(f"top_logprobs must be in [0, 20], got {s.top_logprobs}")
     if s.top_logprobs and not s.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs")
+    if not 1 <= s.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {s.n}")
+    if s.n > 1 and s.first_step:
+        raise InvalidRequest("a continuation (first_step > 0) has one completion: n must be 1")
 
 
 def _check_shaping(s: SamplingSpec) -> None:

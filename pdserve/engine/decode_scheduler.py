@@ -13,6 +13,7 @@ would get its first token (prefill's) and then nothing for as long. Alone, a cli
 slot.
 """
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -54,22 +55,36 @@ class DecodeScheduler:
     ) -> Sequence:
         """A sequence whose prompt KV is in `table`, beginning with prefill's first token; it
         joins at the next step, unless that token already ended it (then its blocks go back).
+        With n > 1, its forks join too, before that token can release the table they share.
         `created` sees the sequence before its first emission, so that whoever reads an
         emission can already find the sequence it came from."""
         seq = Sequence(spec, table, sink, self.tokenizer)
+        seq.forks = [self._fork(seq, index) for index in range(1, spec.sampling.n)]
         created(seq)
         seq.append(first)
         if seq.done:
             table.release()
-        else:
-            with self._lock:
-                self._joining.append(spec.client, seq)
+        with self._lock:
+            for joining in seq.completions:
+                if not joining.done:
+                    self._joining.append(spec.client, joining)
         return seq
 
+    def _fork(self, first: Sequence, index: int) -> Sequence:
+        """Completion `index` of `first`'s request: the prompt's blocks shared, its own seed."""
+        sampling = dataclasses.replace(
+            first.spec.sampling, seed=first.spec.sampling.choice_seed(index)
+        )
+        spec = dataclasses.replace(first.spec, sampling=sampling)
+        table = self.runner.fork(first.table)
+        return Sequence(spec, table, first.sink, self.tokenizer, index=index)
+
     def abort(self, seq: Sequence) -> None:
-        """Any thread: the sequence leaves at the next step boundary (its blocks are freed then).
-        The caller wakes the engine loop."""
-        self.cancels.ask(seq)
+        """Any thread: the sequence and its forks leave at the next step boundary (their blocks
+        are freed then). The caller wakes the engine loop."""
+        for each in seq.completions:
+            if not each.done:
+                self.cancels.ask(each)
 
     @property
     def has_work(self) -> bool:

@@ -77,6 +77,14 @@ class ModelRunner:
         wanted = rows if pieces else None  # every decode's row, in order: no selection needed
         return self.model.decode_paged(tokens, positions, wrap(view) if wrap else view, wanted)
 
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A table for another completion of `table`'s written prompt: it shares the blocks
+        before the prompt's last token, and has its own copy of the block that token is in."""
+        fork = table.fork()
+        last = len(fork.blocks) - 1
+        self.cache.copy_block(table.blocks[last], fork.blocks[last])
+        return fork
+
     def sample(self, logits: torch.Tensor, draws: Sequence[Draw]) -> list[Pick]:
         """One token per row, each from its request's own counter-based random stream."""
         return sample(logits, draws, self.ending)

@@ -40,6 +40,14 @@ class PagedCache:
             buf = self._scratch[name] = torch.empty(numel, dtype=dtype)
         return buf[:numel].view(shape)
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Copies one block's K and V in every layer: a further completion's own copy of the
+        block its prompt ends in, which it goes on writing."""
+        bs = self.block_size
+        self.kv[..., target * bs : (target + 1) * bs, :].copy_(
+            self.kv[..., source * bs : (source + 1) * bs, :]
+        )
+
     def write(self, layer: int, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores K and V [tokens, heads, dim] of one layer at the given slots.
 

@@ -5,6 +5,10 @@ A sequence enters with its prompt's KV already in its block table and the first 
 prefill); every step appends one token. Its blocks go back to the pool when it leaves, however it
 leaves (a finished one's before its last emission); the engine thread does that, never a gRPC
 thread, since a step may be writing to them.
+
+A request's further completions (n > 1) are forks of its first sequence: each shares the prompt's
+blocks, enters with the prompt's last token as its newest and no output, and draws its first
+token in its first decode step, with its own seed.
 """
 
 from dataclasses import dataclass, field
@@ -33,6 +37,7 @@ class Emission:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
+    index: int = 0  # which of the request's completions (SamplingSpec.n) it belongs to
 
 
 Sink = Callable[[Emission], None]
@@ -48,6 +53,9 @@ class Sequence:
     generated: int = 0
     finish_reason: FinishReason | None = None
     aborted: bool = False
+    index: int = 0  # which of the request's completions it is
+    # The request's further completions, when this is its first (index 0) and n > 1.
+    forks: list["Sequence"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.spec.prompt_token_ids)
@@ -79,11 +87,18 @@ class Sequence:
             # for a sequence that ends at its first token, before it ever joins a step).
             self.table.release()
         logprobs = () if pick.logprobs is None else (pick.logprobs,)
-        self.sink(Emission((token_id,), text, self.finish_reason, logprobs=logprobs))
+        self.sink(
+            Emission((token_id,), text, self.finish_reason, logprobs=logprobs, index=self.index)
+        )
 
     def fail(self, message: str) -> None:
         self.aborted = True
-        self.sink(Emission((), "", error=message))
+        self.sink(Emission((), "", error=message, index=self.index))
+
+    @property
+    def completions(self) -> list["Sequence"]:
+        """This request's sequences: this one and its forks."""
+        return [self, *self.forks]
 
     def _finish_reason(self, token_id: int) -> FinishReason | None:
         if self._text.stopped or token_id in self.spec.sampling.stop_token_ids:

@@ -64,6 +64,7 @@ class Lease:
     transport: str = ""  # what carried its KV, once committed
     committed_at: float | None = None
     caller: str = ""  # who reserved it (pdserve/rpc/tls.py peer_identity), for the pending shares
+    reserved_blocks: int = 0  # the whole reservation, every completion's room included
 
     @property
     def handoff_seconds(self) -> float:
@@ -84,7 +85,7 @@ class LeaseTable:
         PendingLimit when the caller's leases without KV would hold more than its share: a
         caller that reserves and never sends KV cannot take every block, nor lock out the
         others' reservations (see _over_share)."""
-        wanted = self.pool.blocks_for(spec.max_total_tokens)
+        wanted = self.pool.blocks_wanted(spec)
         refusal = self._over_share(caller, wanted, limits.pending_share)
         if refusal and not self._under_client_part(caller, spec.client, wanted, limits):
             raise PendingLimit(refusal)
@@ -93,9 +94,7 @@ class LeaseTable:
             raise ClientLimit(refusal)
         # With a prefix cache, the table starts with the prompt's longest cached prefix (its KV
         # is not sent again), and its blocks may stay cached once the KV is in.
-        table = self.pool.reserve(
-            spec.max_total_tokens, spec.prompt_token_ids, reuse=True, salt=spec.cache_salt
-        )
+        table = self.pool.reserve_for(spec)
         now = time.monotonic()
         lease = Lease(
             secrets.token_hex(16),
@@ -106,6 +105,7 @@ class LeaseTable:
             now + min(limits.first_chunk, limits.ttl),
             KvAssembly(self.config, spec.prompt_len, table.cached_tokens),
             caller=caller,
+            reserved_blocks=wanted,
         )
         self._leases[lease.lease_id] = lease
         return lease
@@ -127,7 +127,7 @@ class LeaseTable:
         if wanted > self.pool.num_blocks:
             return ""
         pending = self._pending()
-        held = sum(lease.table.capacity_blocks for lease in pending if lease.caller == caller)
+        held = sum(lease.reserved_blocks for lease in pending if lease.caller == caller)
         if not held:
             return ""
         share, callers = self._caller_share(caller, pending_share)
@@ -157,7 +157,7 @@ class LeaseTable:
         a caller that names many clients only splits its own share between them."""
         pending = [lease for lease in self._pending() if lease.caller == caller]
         clients = {lease.spec.client for lease in pending} | {client}
-        held = sum(lease.table.capacity_blocks for lease in pending if lease.spec.client == client)
+        held = sum(lease.reserved_blocks for lease in pending if lease.spec.client == client)
         share, _ = self._caller_share(caller, limits.pending_share)
         return held + wanted <= share // len(clients)
 
@@ -171,7 +171,7 @@ class LeaseTable:
         client's first lease is let in whatever its size, as for the pending share."""
         if client_share >= 1:
             return ""  # the pool itself decides
-        held = sum(lease.table.capacity_blocks for lease in self._by_client(client))
+        held = sum(lease.reserved_blocks for lease in self._by_client(client))
         cap = int(client_share * self.pool.num_blocks)
         if not held or held + wanted <= cap:
             return ""

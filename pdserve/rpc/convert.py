@@ -35,6 +35,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> SamplingSpec:
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
+        n=s.n or 1,
     )
 
 
@@ -57,6 +58,7 @@ def sampling_to_pb(s: SamplingSpec) -> pb.SamplingParams:
         logit_bias=dict(s.logit_bias),
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
+        n=s.n,
     )
 
 
@@ -85,6 +87,7 @@ def token_event(emission: Emission) -> pb.TokenEvent:
         token_ids=emission.token_ids,
         text=emission.text,
         logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(emission.token_ids, emission.logprobs)],
+        index=emission.index,
     )
 
 

@@ -70,7 +70,7 @@ class ColocatedEngine:
 
     def submit(self, spec: GenerateSpec, sink: Sink) -> Handle:
         """Reserves room (PoolExhausted when there is none) and queues the prompt."""
-        handle = Handle(spec, self.pool.reserve(spec.max_total_tokens), sink)
+        handle = Handle(spec, self.pool.reserve_for(spec), sink)
         if self.chunk_tokens:
             self.chunked.add(handle)
         else:

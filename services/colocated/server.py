@@ -12,6 +12,7 @@ from pdserve import metrics
 
 from pdserve.core.block_pool import NeverFits, PoolExhausted
 from pdserve.core.request import GenerateSpec, validate
+from pdserve.engine.completions import CompletionTally
 from pdserve.engine.sequence import FinishReason
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert, model_info
@@ -88,24 +89,28 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
         spec = validate(unchecked, self.config)
         events, sink = emission_queue()
         handle = await self._submit(spec, sink)
+        tally = CompletionTally(spec.sampling.n)
         try:
             first_token_at = None
-            while True:
+            while not tally.done:
                 emission = await events.get()
                 if emission.error is not None:
                     raise ServiceError(grpc.StatusCode.INTERNAL, emission.error)
                 first_token_at = first_token_at or time.perf_counter()
+                tally.add(emission)
                 event = convert.token_event(emission)
                 response = pb.GenerateResponse(
                     request_id=spec.request_id,
                     token_ids=event.token_ids,
                     text=event.text,
                     logprobs=event.logprobs,
+                    index=emission.index,
                 )
                 if emission.finish_reason is not None:
-                    self._finish(response, emission.finish_reason, handle, received, first_token_at)
-                    yield response
-                    return
+                    self._finish(response, emission.finish_reason, tally, handle.spec.prompt_len)
+                    self._finish_metrics(response, handle, first_token_at, received)
+                    if tally.done:
+                        self._record(response, tally)
                 yield response
         finally:
             self.engine.abort(handle)
@@ -129,26 +134,31 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
         self,
         response: pb.GenerateResponse,
         finish_reason: FinishReason,
-        handle: Handle,
-        received: float,
-        first_token_at: float,
+        tally: CompletionTally,
+        prompt_len: int,
     ) -> None:
-        seq, timing = handle.sequence, handle.timing
-        now = time.perf_counter()
+        """A completion's last response: why it ended and its usage."""
+        response.finish_reason = convert.FINISH_TO_PB[finish_reason]
+        response.usage.CopyFrom(
+            pb.Usage(prompt_tokens=prompt_len, completion_tokens=tally.generated[response.index])
+        )
+
+    def _record(self, response: pb.GenerateResponse, tally: CompletionTally) -> None:
+        """The request is done, every completion of it: counted once."""
+        m = response.metrics
         metrics.record_request(
             "colocated",
             "OK",
-            first_token_at - received,
-            now - received,
-            seq.generated if seq else 0,
-            handle.spec.prompt_len,
+            m.time_to_first_token_seconds,
+            m.end_to_end_seconds,
+            tally.total,
+            response.usage.prompt_tokens,
         )
-        response.finish_reason = convert.FINISH_TO_PB[finish_reason]
-        response.usage.CopyFrom(
-            pb.Usage(
-                prompt_tokens=handle.spec.prompt_len, completion_tokens=seq.generated if seq else 0
-            )
-        )
+
+    def _finish_metrics(
+        self, response: pb.GenerateResponse, handle: Handle, first_token_at: float, received: float
+    ) -> None:
+        timing, now = handle.timing, time.perf_counter()
         response.metrics.CopyFrom(
             pb.RequestMetrics(
                 time_to_first_token_seconds=first_token_at - received,

@@ -76,6 +76,7 @@ class DecodeEngine:
         self.loop.wake()
 
     def abort(self, seq: Sequence) -> None:
-        if not seq.done:
+        """The sequence and its forks (the request's other completions) leave."""
+        if not all(each.done for each in seq.completions):
             self.scheduler.abort(seq)
             self.loop.wake()

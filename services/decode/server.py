@@ -16,7 +16,7 @@ from pdserve.core.block_pool import BlockTable
 from pdserve.core.picked import Pick
 from pdserve.engine.chunked_prefill import Handle
 from pdserve.core.request import GenerateSpec, validate
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.completions import CompletionTally
 from pdserve.kv.data_endpoints import data_endpoints_handler
 from pdserve.kv.grpc_transport import IngestLimits, push_kv_handler
 from pdserve.kv.leases import Lease, LeaseLimits, LeaseState, LeaseTable
@@ -105,13 +105,13 @@ class DecodeServicer:
             "lease %s granted for request %s (%d blocks)",
             lease.lease_id,
             spec.request_id,
-            lease.table.capacity_blocks,
+            lease.reserved_blocks,
         )
         try:
             yield pb.DecodeResponse(
                 lease=pb.LeaseGranted(
                     lease_id=lease.lease_id,
-                    blocks=lease.table.capacity_blocks,
+                    blocks=lease.reserved_blocks,
                     instance=self.instance,
                     expires_at_unix=time.time() + ttl,
                     data_endpoints=self.data_endpoints,
@@ -137,15 +137,13 @@ class DecodeServicer:
         router's reservation line handles PoolExhausted as for a lease), the answer says so
         with a LeaseGranted that has no lease id, and the tokens follow."""
         events, sink = emission_queue()
-        table = self.engine.pool.reserve(
-            spec.max_total_tokens, spec.prompt_token_ids, reuse=True, salt=spec.cache_salt
-        )
+        table = self.engine.pool.reserve_for(spec)
         self._looked_up(spec, table)
         handle = Handle(spec, table, sink)
         try:
             yield pb.DecodeResponse(
                 lease=pb.LeaseGranted(
-                    blocks=table.capacity_blocks,
+                    blocks=self.engine.pool.blocks_wanted(spec),
                     instance=self.instance,
                     cached_tokens=table.cached_tokens,
                 )
@@ -154,7 +152,7 @@ class DecodeServicer:
 
             # The engine thread sets the sequence before its first emission (DecodeScheduler.start),
             # so it is there by the time an emission is read here.
-            async for event in _events(events, lambda: handle.sequence, spec.prompt_len):
+            async for event in _events(events, spec):
                 yield event
         finally:
             self.engine.abort_local(handle)
@@ -163,7 +161,7 @@ class DecodeServicer:
         def handoff() -> tuple[float, int]:
             return lease.handoff_seconds, lease.assembly.bytes
 
-        async for event in _events(events, lambda: lease.sequence, lease.spec.prompt_len, handoff):
+        async for event in _events(events, lease.spec, handoff):
             yield event
 
     def _end(self, lease: Lease) -> None:
@@ -229,39 +227,42 @@ class DecodeServicer:
 
 async def _events(
     events: asyncio.Queue,
-    sequence: Callable[[], Sequence | None],
-    prompt_len: int,
+    spec: GenerateSpec,
     handoff: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
 ):
-    """A request's DecodeResponses from its emissions, ending with DecodeFinished. `handoff`
-    gives (receive seconds, bytes) of the KV that came in; (0, 0) when decode prefilled it."""
+    """A request's DecodeResponses from its emissions: one DecodeFinished per completion, the
+    stream ending after the last. `handoff` gives (receive seconds, bytes) of the KV that came
+    in; (0, 0) when decode prefilled it."""
     arrivals: list[float] = []  # of the first two emissions: the first token, then decode's own
-    while True:
+    tally = CompletionTally(spec.sampling.n)
+    while not tally.done:
         emission = await events.get()
         if emission.error is not None:
             raise ServiceError(grpc.StatusCode.ABORTED, emission.error)
         if len(arrivals) < 2:
             arrivals.append(time.perf_counter())
+        tally.add(emission)
         tokens = convert.token_event(emission)
         if emission.finish_reason is None:
             yield pb.DecodeResponse(tokens=tokens)
             continue
-        seq = sequence()
         seconds, received = handoff()
-        metrics.REQUESTS.labels("decode", "ok", "OK").inc()
+        if tally.done:
+            metrics.REQUESTS.labels("decode", "ok", "OK").inc()
         yield pb.DecodeResponse(
             finished=pb.DecodeFinished(
                 last=tokens,
                 finish_reason=convert.FINISH_TO_PB[emission.finish_reason],
                 usage=pb.Usage(
-                    prompt_tokens=prompt_len, completion_tokens=seq.generated if seq else 0
+                    prompt_tokens=spec.prompt_len,
+                    completion_tokens=tally.generated[emission.index],
                 ),
                 handoff_receive_seconds=seconds,
                 handoff_bytes=received,
                 first_decode_step_seconds=arrivals[1] - arrivals[0] if len(arrivals) == 2 else 0,
+                index=emission.index,
             )
         )
-        return
 
 
 async def serve(served: ServedModel, settings: DecodeSettings) -> None:

@@ -3,7 +3,8 @@ on decode itself below --local-prefill-tokens), the tokens relayed, and the fina
 
 The servicer (server.py) owns what spans attempts: admission, retries and migration. An attempt
 raises HandoffFailed, naming the instances to avoid next, when another instance might succeed.
-Its relay yields typed events: Tokens as decode sends them, then one Finished.
+Its relay yields typed events: Tokens as decode sends them, Ended as each completion but the
+last ends (a request may ask for n), then one Finished.
 """
 
 import asyncio
@@ -34,6 +35,13 @@ class Tokens:
     """New tokens from decode, to pass on to the client."""
 
     event: pb.TokenEvent
+
+
+@dataclass(frozen=True)
+class Ended:
+    """One of the request's completions ended, and others go on."""
+
+    finished: pb.DecodeFinished
 
 
 @dataclass(frozen=True)
@@ -97,15 +105,21 @@ class Attempts:
                 got_room - asked_for_room,
                 time.perf_counter() - got_room,
             )
+        completion_tokens = 0  # of the completions that ended, for the request's count
         try:
-            async for event in self._relay(reservation, prefill_call, prefill):
+            async for event in self._relay(reservation, prefill_call, prefill, spec.sampling.n):
                 if isinstance(event, Tokens):
                     yield pb.GenerateResponse(
                         request_id=spec.request_id,
                         token_ids=event.event.token_ids,
                         text=event.event.text,
                         logprobs=event.event.logprobs,
+                        index=event.event.index,
                     )
+                    continue
+                completion_tokens += event.finished.usage.completion_tokens
+                if isinstance(event, Ended):
+                    yield _completion_end(spec.request_id, event.finished)
                     continue
                 reply = event.reply
                 if not here:
@@ -114,7 +128,9 @@ class Attempts:
                     self.local_prefill.observe(spec.prompt_len, sent, reply, ttft)
                 self._learn_prefix(inflight, reservation, prefill if reply.prefix_cache else None)
                 path = "decode" if here else "prefill"
-                yield self._final(inflight, event, reservation, attempt, path, room)
+                yield self._final(
+                    inflight, event, reservation, attempt, path, room, completion_tokens
+                )
         finally:
             reservation.call.cancel()
             prefill_call.cancel()
@@ -193,9 +209,11 @@ class Attempts:
         reservation: Reservation,
         prefill_call: asyncio.Future,
         prefill: Instance[pb_grpc.PrefillServiceStub] | None,
+        completions: int,
     ):
-        """Tokens as decode sends them, then Finished once it is done."""
-        first_token_at = None
+        """Tokens as decode sends them, Ended as each of the `completions` but the last ends,
+        then Finished once all are done."""
+        first_token_at, ended = None, 0
         try:
             while (event := await reservation.call.read()) is not grpc.aio.EOF:
                 reservation.streaming = True
@@ -203,6 +221,10 @@ class Attempts:
                 if event.HasField("tokens"):
                     yield Tokens(event.tokens)
                 elif event.HasField("finished"):
+                    ended += 1
+                    if ended < completions:
+                        yield Ended(event.finished)
+                        continue
                     reply = await _reply_or_empty(prefill_call)
                     yield Finished(event.finished, reply, first_token_at)
                     return
@@ -258,7 +280,10 @@ class Attempts:
         attempt: int,
         prefill_path: str,
         room: RoomWait,
+        completion_tokens: int,
     ) -> pb.GenerateResponse:
+        """The last completion's last response, with the request's metrics; `completion_tokens`
+        counts every completion's."""
         finished, reply, first_token_at = done.finished, done.reply, done.first_token_at
         spec, received, now = inflight.spec, inflight.received, time.perf_counter()
         phases = request_phases(first_token_at - received, room, reply, finished)
@@ -272,18 +297,13 @@ class Attempts:
             "OK",
             first_token_at - received,
             now - received,
-            finished.usage.completion_tokens,
-            finished.usage.prompt_tokens,
+            completion_tokens,
+            spec.prompt_len,
         )
         metrics.record_handoff("router", reply.handoff.seconds, reply.handoff.bytes)
-        return pb.GenerateResponse(
-            request_id=spec.request_id,
-            token_ids=finished.last.token_ids,
-            text=finished.last.text,
-            logprobs=finished.last.logprobs,
-            finish_reason=finished.finish_reason,
-            usage=finished.usage,
-            metrics=pb.RequestMetrics(
+        response = _completion_end(spec.request_id, finished)
+        response.metrics.CopyFrom(
+            pb.RequestMetrics(
                 time_to_first_token_seconds=first_token_at - received,
                 end_to_end_seconds=now - received,
                 handoff=reply.handoff,
@@ -296,8 +316,22 @@ class Attempts:
                 prefix_cached_tokens=reservation.lease.cached_tokens,
                 prefill_cached_tokens=reply.cached_tokens,
                 phases=phases,
-            ),
+            )
         )
+        return response
+
+
+def _completion_end(request_id: str, finished: pb.DecodeFinished) -> pb.GenerateResponse:
+    """A completion's last response: its last tokens, why it ended, and its usage."""
+    return pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=finished.last.token_ids,
+        text=finished.last.text,
+        logprobs=finished.last.logprobs,
+        finish_reason=finished.finish_reason,
+        usage=finished.usage,
+        index=finished.index,
+    )
 
 
 async def _reply_or_empty(prefill_call: asyncio.Future) -> pb.PrefillResponse:

@@ -163,7 +163,11 @@ class HttpApi:
 
     async def _complete(self, request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
         reply = fmt.Reply(
-            parsed.kind, parsed.request_id, self.served.name, self.served.tokenizer.token_bytes
+            parsed.kind,
+            parsed.request_id,
+            self.served.name,
+            self.served.tokenizer.token_bytes,
+            completions=parsed.sampling.get("n", 1),
         )
         tokenizer, max_context = self.served.tokenizer, self.served.config.max_context
 
@@ -194,14 +198,14 @@ class HttpApi:
         if parsed.generates:
             responses = self.router.generate(lambda: spec, None, client)
             async with contextlib.aclosing(responses):
-                text, last, logprobs = await _collected(responses)
+                (completion,) = await _collected(responses)  # echo has n = 1 (openai_schema)
         else:
-            text, logprobs = "", []
             last = pb.GenerateResponse(
                 finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=spec.prompt_len)
             )
+            completion = fmt.Completion("", last)
         echo = fmt.Echo(self._prompt_text(parsed, spec), spec.prompt_token_ids, scored)
-        return web.json_response(reply.echoed(echo, text, last, logprobs), dumps=_dumps)
+        return web.json_response(reply.echoed(echo, completion), dumps=_dumps)
 
     def _prompt_text(self, parsed: OpenAIRequest, spec: GenerateSpec) -> str:
         if isinstance(parsed.prompt, str):
@@ -353,18 +357,20 @@ def _error_response(status: int, body: dict, headers: dict | None = None) -> web
 
 
 async def _whole(reply: fmt.Reply, responses: AsyncIterator[pb.GenerateResponse]) -> web.Response:
-    return web.json_response(reply.whole(*await _collected(responses)), dumps=_dumps)
+    return web.json_response(reply.whole(await _collected(responses)), dumps=_dumps)
 
 
-async def _collected(
-    responses: AsyncIterator[pb.GenerateResponse],
-) -> tuple[str, pb.GenerateResponse, list[pb.TokenLogprob]]:
-    """The whole reply: its text, its last response (finish reason, usage) and its logprobs."""
-    text, logprobs, last = [], [], pb.GenerateResponse()
-    async for last in responses:
-        text.append(last.text)
-        logprobs.extend(last.logprobs)
-    return "".join(text), last, logprobs
+async def _collected(responses: AsyncIterator[pb.GenerateResponse]) -> list[fmt.Completion]:
+    """The whole reply, by completion: each one's text, last response (finish reason, usage)
+    and logprobs."""
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[pb.TokenLogprob]] = {}
+    lasts: dict[int, pb.GenerateResponse] = {}
+    async for response in responses:
+        texts.setdefault(response.index, []).append(response.text)
+        logprobs.setdefault(response.index, []).extend(response.logprobs)
+        lasts[response.index] = response
+    return [fmt.Completion("".join(texts[i]), lasts[i], logprobs[i]) for i in sorted(lasts)]
 
 
 async def _stream(
@@ -396,19 +402,19 @@ async def _events(
     rest: AsyncIterator[pb.GenerateResponse],
     include_usage: bool,
 ) -> None:
-    """One chunk per token, then the finish chunk, then (if asked) the usage chunk."""
+    """One chunk per token, a finish chunk as each completion ends, then (if asked) the usage
+    chunk."""
     response: pb.GenerateResponse | None = first
-    sent = 0
+    started: set[int] = set()  # completions whose first chunk went out
     while response is not None:
         if response.token_ids or response.text:
-            chunk = reply.token_chunk(response.text, sent == 0, response.logprobs)
-            await _send(stream, chunk)
-            sent += 1
+            await _send(stream, reply.token_chunk(response, response.index not in started))
+            started.add(response.index)
         if response.finish_reason:
             await _send(stream, reply.finish_chunk(response))
-            if include_usage:
-                await _send(stream, reply.usage_chunk(response))
         response = await anext(rest, None)
+    if include_usage:
+        await _send(stream, reply.usage_chunk())
 
 
 async def _send(stream: web.StreamResponse, event: dict) -> None:

@@ -105,8 +105,19 @@ class Echo:
 
 
 @dataclass
+class Completion:
+    """One completion of a non-streamed reply: its text, its last response (finish reason,
+    usage, index) and its tokens' logprobs."""
+
+    text: str
+    last: pb.GenerateResponse
+    logprobs: Sequence[pb.TokenLogprob] = ()
+
+
+@dataclass
 class Reply:
-    """One request's reply, in OpenAI's shape for its endpoint ("chat" or "completion")."""
+    """One request's reply, in OpenAI's shape for its endpoint ("chat" or "completion"), over
+    its `completions` (the request's n)."""
 
     kind: str
     request_id: str
@@ -114,36 +125,43 @@ class Reply:
     # The bytes each token stands for (the tokenizer's token_bytes), for logprobs.
     token_bytes: Callable[[int], bytes] = field(default=lambda token: b"", repr=False)
     created: int = 0
-    _offset: int = 0  # characters of completion text whose logprobs were sent (text_offset)
+    completions: int = 1
+    # Per completion: characters of its text whose logprobs were sent (text_offset).
+    _offsets: dict[int, int] = field(default_factory=dict)
+    _ended: list[pb.Usage] = field(default_factory=list)  # of the completions streamed to the end
 
     def __post_init__(self) -> None:
         self.created = self.created or int(time.time())
 
-    def whole(
-        self, text: str, last: pb.GenerateResponse, logprobs: Sequence[pb.TokenLogprob] = ()
-    ) -> dict:
-        """The non-streaming body: all the text, the finish reason and usage."""
-        choice = {"index": 0, "finish_reason": FINISH_REASONS[last.finish_reason]}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(logprobs)
-        return self._envelope(OBJECTS[self.kind][0], [choice], last.usage)
+    def whole(self, completions: Sequence[Completion]) -> dict:
+        """The non-streaming body: each completion's text and finish reason, and the usage of
+        all (the prompt once, every completion's tokens)."""
+        choices = [self._choice(c) for c in sorted(completions, key=lambda c: c.last.index)]
+        return self._envelope(
+            OBJECTS[self.kind][0], choices, total_usage([c.last.usage for c in completions])
+        )
 
-    def echoed(
-        self, echo: Echo, text: str, last: pb.GenerateResponse, logprobs: Sequence[pb.TokenLogprob]
-    ) -> dict:
+    def _choice(self, completion: Completion) -> dict:
+        last = completion.last
+        choice: dict = {"index": last.index, "finish_reason": FINISH_REASONS[last.finish_reason]}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": completion.text}
+        else:
+            choice["text"] = completion.text
+        choice["logprobs"] = self._logprobs(completion.logprobs, last.index)
+        return choice
+
+    def echoed(self, echo: Echo, completion: Completion) -> dict:
         """A non-streaming completion that starts with its prompt; its logprobs, when asked
         for, start with the prompt's, the first token's null (it follows nothing)."""
-        body = self.whole(echo.text + text, last)
+        body = self.whole([Completion(echo.text + completion.text, completion.last)])
         if echo.scored is not None:
-            body["choices"][0]["logprobs"] = self._echo_logprobs(echo, logprobs)
+            body["choices"][0]["logprobs"] = self._echo_logprobs(echo, completion.logprobs)
         return body
 
     def _echo_logprobs(self, echo: Echo, logprobs: Sequence[pb.TokenLogprob]) -> dict:
         head = self._text_of(echo.token_ids[0])
-        self._offset = len(head)
+        self._offsets[0] = len(head)
         rest = self._logprobs([*(echo.scored or ()), *logprobs]) or {
             key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
         }
@@ -154,33 +172,39 @@ class Reply:
             "text_offset": [0, *rest["text_offset"]],
         }
 
-    def token_chunk(self, text: str, first: bool, logprobs: Sequence[pb.TokenLogprob] = ()) -> dict:
-        """A stream chunk with one token's text; a chat's first also says who speaks."""
+    def token_chunk(self, response: pb.GenerateResponse, first: bool) -> dict:
+        """A stream chunk with one token's text, of completion `response.index`; a chat's first
+        chunk of each completion also says who speaks."""
+        index, text = response.index, response.text
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
-        logprobs_part = {"logprobs": self._logprobs(logprobs)}
+            choice = {"index": index, "text": text}
+        logprobs_part = {"logprobs": self._logprobs(response.logprobs, index)}
         return self._chunk(choice | logprobs_part | {"finish_reason": None})
 
     def finish_chunk(self, last: pb.GenerateResponse) -> dict:
-        """The stream's last choice chunk: the finish reason, and usage (which every pdserve
-        response carries; OpenAI's own usage chunk follows when include_usage asks for it)."""
+        """A completion's last choice chunk: its finish reason. The last completion's also
+        carries the usage of all (OpenAI's own usage chunk follows when include_usage asks)."""
+        self._ended.append(last.usage)
         reason = FINISH_REASONS[last.finish_reason]
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {}, "finish_reason": reason, "logprobs": None}
+            choice = {"index": last.index, "delta": {}, "finish_reason": reason, "logprobs": None}
         else:
-            choice = {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
-        return self._envelope(OBJECTS[self.kind][1], [choice], last.usage)
+            choice = {"index": last.index, "text": "", "finish_reason": reason, "logprobs": None}
+        done = len(self._ended) == self.completions
+        return self._envelope(
+            OBJECTS[self.kind][1], [choice], total_usage(self._ended) if done else None
+        )
 
-    def usage_chunk(self, last: pb.GenerateResponse) -> dict:
-        """OpenAI's stream_options.include_usage chunk: no choices, only usage."""
-        return self._envelope(OBJECTS[self.kind][1], [], last.usage)
+    def usage_chunk(self) -> dict:
+        """OpenAI's stream_options.include_usage chunk: no choices, only the usage of all."""
+        return self._envelope(OBJECTS[self.kind][1], [], total_usage(self._ended))
 
-    def _logprobs(self, logprobs: Sequence[pb.TokenLogprob]) -> dict | None:
-        """OpenAI's logprobs object for these tokens: a chat's `content` list, or a
-        completion's parallel lists."""
+    def _logprobs(self, logprobs: Sequence[pb.TokenLogprob], index: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens of completion `index`: a chat's `content`
+        list, or a completion's parallel lists."""
         if not logprobs:
             return None
         if self.kind == "chat":
@@ -188,8 +212,8 @@ class Reply:
         tokens = [self._text_of(lp.token_id) for lp in logprobs]
         offsets = []
         for token in tokens:
-            offsets.append(self._offset)
-            self._offset += len(token)
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
@@ -230,6 +254,14 @@ class Reply:
             "choices": choices,
             "usage": usage(u) if u is not None else None,
         }
+
+
+def total_usage(usages: Sequence[pb.Usage]) -> pb.Usage:
+    """A request's usage over its completions: the prompt once, every completion's tokens."""
+    return pb.Usage(
+        prompt_tokens=usages[0].prompt_tokens if usages else 0,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+    )
 
 
 def _finite(logprob: float) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.core.request import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
+    MAX_CHOICES,
     MAX_TOP_LOGPROBS,
     GenerateSpec,
     InvalidRequest,
@@ -143,6 +144,8 @@ def parse_completion(body: object, model_name: str) -> OpenAIRequest:
     fields = _object(body, COMPLETION_FIELDS, model_name, NEUTRAL_VALUES)
     common = _common(fields)
     common["echo"] = _echo(fields, common["stream"])
+    if common["echo"] and common["sampling"].get("n", 1) > 1:
+        raise BadRequest("echo is served with one completion: send n: 1", "echo")
     if "top_logprobs" in fields and not (
         _is_int(fields["top_logprobs"]) and fields["top_logprobs"] == 0
     ):
@@ -197,8 +200,6 @@ def _object(body: object, allowed: set[str], model_name: str, neutral: dict[str,
     model = fields.get("model", model_name)
     if model != model_name:
         raise UnknownModel(f"the model {model!r} does not exist; this server serves {model_name!r}")
-    if _integer(fields, "n", 1, INT32_MAX) not in (None, 1):
-        raise BadRequest("n must be 1: one choice per request", "n")
     return fields
 
 
@@ -239,6 +240,7 @@ def _sampling(fields: dict) -> dict:
         "min_tokens": _integer(fields, "min_tokens", 0, INT32_MAX),
         "stop_token_ids": _token_ids(fields.get("stop_token_ids"), "stop_token_ids"),
         "logit_bias": _logit_bias(fields.get("logit_bias")),
+        "n": _integer(fields, "n", 1, MAX_CHOICES),
     }
     return {name: value for name, value in given.items() if value is not None}
 

@@ -272,6 +272,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     ) -> Inflight:
         """The rest of the request as a request of its own: the prompt plus the tokens sent,
         generating what remains from the next step. Raises RouterError when it may not move."""
+        if original.spec.sampling.n > 1:
+            # Each completion would move on its own, from its own tokens: not built.
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{exc}; tokens had reached the client, and a request of "
+                f"{original.spec.sampling.n} completions (n) does not move to another decode",
+            )
         remaining = original.spec.sampling.max_tokens - len(sent)
         if migrations >= self.settings.max_migrations or remaining <= 0:
             raise RouterError(
