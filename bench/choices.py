@@ -28,7 +28,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import spread, write_results  # noqa: E402
+from common import shown_spreads, spread, write_results  # noqa: E402
 
 from pdserve.localstack import Service, free_port, start_router, start_service  # noqa: E402
 
@@ -183,10 +183,7 @@ def main(argv=None) -> int:
     rows = measure(args)
     summary = summarize(rows)
     for name, figures in summary.items():
-        shown = ", ".join(
-            f"{k} {v['median']:.3g} ({v['min']:.3g}-{v['max']:.3g})" for k, v in figures.items()
-        )
-        print(f"{name}: {shown}")
+        print(f"{name}: {shown_spreads(figures)}")
     if args.json:
         conditions = {
             "model": args.model,

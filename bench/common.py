@@ -14,6 +14,13 @@ def spread(values: Iterable[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def shown_spreads(figures: dict[str, dict]) -> str:
+    """Figures made by spread(), on one line: 'name median (min-max), ...'."""
+    return ", ".join(
+        f"{k} {v['median']:.3g} ({v['min']:.3g}-{v['max']:.3g})" for k, v in figures.items()
+    )
+
+
 def pdserve_bench(flags: list[str], tmp: str, name: str = "run", env=None) -> dict:
     """Runs `pdserve bench FLAGS --json ...` (bounded, failing loudly) and returns its one run:
     {"summary": ..., "load_average_1m": ..., ...}."""

@@ -19,7 +19,8 @@ second instance adds a process, not a core: read the ratios with that in mind.
 import argparse
 import tempfile
 
-from common import pdserve_bench, spread, write_results  # bench/ is the script's directory
+# bench/ is the script's directory
+from common import pdserve_bench, shown_spreads, spread, write_results
 from pdserve.localstack import start_router, start_service
 
 CONFIGS = {"1P1D": (1, 1), "2P1D": (2, 1), "1P2D": (1, 2), "2P2D": (2, 2)}
@@ -79,10 +80,7 @@ def main() -> None:
             }
     for workload, by_config in summary.items():
         for config, figs in by_config.items():
-            shown = ", ".join(
-                f"{k} {v['median']:.3g} ({v['min']:.3g}-{v['max']:.3g})" for k, v in figs.items()
-            )
-            print(f"{workload:>13} {config}: {shown}")
+            print(f"{workload:>13} {config}: {shown_spreads(figs)}")
     if args.json:
         conditions = {
             "model": "TinyGPT (random weights)",
