@@ -6,6 +6,9 @@ SDK, on a stack that hands every prompt off, on a router over the same instances
 every prompt on decode, and on the colocated engine.
 """
 
+import asyncio
+import contextlib
+
 import openai
 import pytest
 
@@ -15,6 +18,7 @@ from pdserve.core.block_pool import BlockPool, NeverFits
 from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.kv.leases import ClientLimit, LeaseLimits, LeaseTable
 from pdserve.models.loading import load_served_model
+from pdserve.services.router.merged import merged
 from pdserve.v1 import pdserve_pb2 as pb
 
 TIMEOUT = 60.0
@@ -85,6 +89,40 @@ def test_a_lease_for_n_completions_holds_and_counts_every_completion():
         leases.grant(spec, limits, sink=lambda emission: None)
     leases.void(lease, "test over")
     assert pool.available_blocks == 64
+
+
+def test_merged_streams_interleave_and_a_failure_closes_the_others():
+    """The router's merge of moved completions: every item of every stream, and the first
+    error ends the whole, closing the streams still open (their backend calls are cancelled)."""
+    closed = []
+
+    async def stream(name: str, items: int, fail: bool = False):
+        try:
+            for i in range(items):
+                await asyncio.sleep(0)
+                yield f"{name}{i}"
+            if fail:
+                raise RuntimeError("decode gone")
+            await asyncio.Event().wait()  # an open stream: only a close ends it
+        finally:
+            closed.append(name)
+
+    async def run(fail: bool) -> list:
+        got = []
+        streams = {0: stream("a", 3), 1: stream("b", 2, fail)}
+        with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+            async for key, item in merged(streams):
+                got.append((key, item))
+                if not fail and len(got) == 5:
+                    break
+        return got
+
+    got = asyncio.run(run(fail=False))
+    assert sorted(got) == [(0, "a0"), (0, "a1"), (0, "a2"), (1, "b0"), (1, "b1")]
+    assert sorted(closed) == ["a", "b"]
+    closed.clear()
+    asyncio.run(run(fail=True))
+    assert sorted(closed) == ["a", "b"]
 
 
 # --- end to end ---

@@ -217,6 +217,42 @@ def test_decode_killed_mid_stream_the_request_moves_and_ends_token_identical(ser
     settled(stack)
 
 
+def _by_completion(stub, request: pb.GenerateRequest) -> tuple[dict, dict, int]:
+    """Each completion's token ids and last response, by index; and the handoffs attempted."""
+    tokens: dict[int, list[int]] = {}
+    last: dict[int, pb.GenerateResponse] = {}
+    attempts = 0
+    for response in stub.Generate(request, timeout=60):
+        tokens.setdefault(response.index, []).extend(response.token_ids)
+        if response.finish_reason:
+            last[response.index] = response
+            attempts = max(attempts, response.metrics.attempts)
+    return tokens, last, attempts
+
+
+@PLAINTEXT
+def test_decode_killed_mid_stream_each_of_n_completions_moves_token_identical(services):
+    """A request of three seeded completions whose decode dies: each completion moves on its
+    own, from the tokens it had sent, and ends as the uninterrupted run's."""
+    decodes = [services("decode"), services("decode", faults="decode_crash_after_steps=20")]
+    prefill = services("prefill")
+    request = _migrated_request({"temperature": 0.9, "seed": 77, "n": 3, "frequency_penalty": 0.5})
+    alone = services.stack(services.router([prefill], decodes[:1]), [prefill], decodes[:1])
+    uninterrupted, _, _ = _by_completion(alone.router_stub(), request)
+    assert len({tuple(t) for t in uninterrupted.values()}) == 3
+    stack = services.stack(services.router([prefill], decodes), [prefill], decodes)
+    for _ in range(4):  # round robin: within a few requests one lands on the faulty decode
+        tokens, last, attempts = _by_completion(stack.router_stub(), request)
+        assert tokens == uninterrupted  # token for token, moved or not
+        if attempts > 1:
+            break
+    assert attempts > 1, "no request met the failing decode"
+    for index in range(3):
+        assert last[index].usage.completion_tokens == 60 and last[index].usage.prompt_tokens == 20
+        assert last[index].metrics.decode_instance.endswith(f":{decodes[0].port}")
+    settled(stack)
+
+
 @PLAINTEXT
 def test_migration_off_ends_with_unavailable(services):
     decodes = [services("decode"), services("decode")]

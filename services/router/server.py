@@ -44,6 +44,7 @@ from pdserve.services.router.clients import (
     load_salt_secret,
 )
 from pdserve.services.router.local_prefill import LocalPrefill
+from pdserve.services.router.merged import merged
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.services.router.scoring import score_prompt
 from pdserve.services.router.errors import (
@@ -240,21 +241,43 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     async def _with_retries(self, inflight: Inflight):
         """Retries a failed handoff elsewhere while no token has reached the client; after that,
         migrates: the same request continues on another pair from the tokens already sent."""
-        original, migrations = inflight, 0
-        avoid: set[str] = set()  # the instances that just failed this request
-        tries = [0]  # handoffs attempted, over every part of the request
-        sent: list[int] = []  # token ids the client has received
+        async for response in self._moving(inflight, inflight, [], 0, set(), [0]):
+            yield response
+
+    async def _moving(
+        self,
+        original: Inflight,
+        inflight: Inflight,
+        sent: list[int],
+        migrations: int,
+        avoid: set[str],
+        tries: list[int],
+    ):
+        """`original`'s responses from `inflight`: the request itself, or its continuation
+        after `sent` (the token ids the client has received) and `migrations` moves. `avoid`
+        holds the instances that just failed it; `tries` counts handoffs over every part."""
+        by_completion: dict[int, list[int]] = {}  # of a request of n: what each one has sent
+        ended: set[int] = set()
         while True:
             before = len(sent)
             part_sent: list[int] = []
             try:
                 async for response in self._attempts(inflight, tries, part_sent, avoid):
                     sent.extend(response.token_ids)
+                    by_completion.setdefault(response.index, []).extend(response.token_ids)
+                    if response.finish_reason:
+                        ended.add(response.index)
                     if response.finish_reason and migrations:
                         _as_one_request(response, original.spec, before)
                     yield response
                 return
             except HandoffFailed as exc:
+                if original.spec.sampling.n > 1:
+                    moved = self._completions_moved(original, by_completion, ended, exc, tries)
+                    async with contextlib.aclosing(moved):
+                        async for response in moved:
+                            yield response
+                    return
                 inflight = self._continuation(original, sent, exc, migrations)
                 avoid = set(exc.instances)
                 migrations += 1
@@ -267,18 +290,43 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     migrations,
                 )
 
+    async def _completions_moved(
+        self,
+        original: Inflight,
+        sent: dict[int, list[int]],
+        ended: set[int],
+        exc: HandoffFailed,
+        tries: list[int],
+    ):
+        """After tokens of a request of n completions went out, each one not yet ended moves on
+        its own, as a request of one completion with its seed, from the tokens it has sent;
+        their responses interleave, each with its index."""
+        log.warning(
+            "request %s: decode failed after %d tokens of %d completions (%s); moving the %d "
+            "not ended, each on its own",
+            original.spec.request_id,
+            sum(map(len, sent.values())),
+            original.spec.sampling.n,
+            exc,
+            original.spec.sampling.n - len(ended),
+        )
+        parts = {}
+        for index in range(original.spec.sampling.n):
+            if index in ended:
+                continue
+            one = _one_completion(original, index)
+            so_far = list(sent.get(index, []))
+            rest = self._continuation(one, so_far, exc, 0)
+            parts[index] = self._moving(one, rest, so_far, 1, set(exc.instances), tries)
+        async for index, response in merged(parts):
+            response.index = index
+            yield response
+
     def _continuation(
         self, original: Inflight, sent: list[int], exc: HandoffFailed, migrations: int
     ) -> Inflight:
         """The rest of the request as a request of its own: the prompt plus the tokens sent,
         generating what remains from the next step. Raises RouterError when it may not move."""
-        if original.spec.sampling.n > 1:
-            # Each completion would move on its own, from its own tokens: not built.
-            raise RouterError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{exc}; tokens had reached the client, and a request of "
-                f"{original.spec.sampling.n} completions (n) does not move to another decode",
-            )
         remaining = original.spec.sampling.max_tokens - len(sent)
         if migrations >= self.settings.max_migrations or remaining <= 0:
             raise RouterError(
@@ -383,6 +431,14 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
         on_stop,
         serving_at_start=False,
     )
+
+
+def _one_completion(inflight: Inflight, index: int) -> Inflight:
+    """Completion `index` of a request of n, as a request of one completion: its own seed,
+    which gives the same tokens."""
+    spec = inflight.spec
+    sampling = dataclasses.replace(spec.sampling, n=1, seed=spec.sampling.choice_seed(index))
+    return dataclasses.replace(inflight, spec=dataclasses.replace(spec, sampling=sampling))
 
 
 def _as_one_request(last: pb.GenerateResponse, spec: GenerateSpec, sent_before: int) -> None:
