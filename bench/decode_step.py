@@ -9,6 +9,9 @@ What the step spends beyond the floor is per-op overhead, RoPE, norms and attent
 q4 runs on either kernel (q4:torch, q4:native; pdserve/kernels/native.py); each is its own floor.
 --step-ops torch native runs each format with torch's ops and with the fused native step ops
 (pdserve/kernels/step_ops.py) for the rest of the step, interleaved, and gives their ratio.
+--layers whole ops runs the native q4 step with each layer in one native call
+(pdserve/kernels/decode_layer.cpp, what serving runs) and with its ops called one by one from
+Python, interleaved, and gives their ratio.
 
 Goal (the engine issue): step <= 1.3 x floor at batch 1, 16 and 64. Configurations (format x
 threads x batch) are interleaved repeat by repeat; each figure is the median over --repeats, with
@@ -54,12 +57,16 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 class Setup:
     """One served format: the model, a pool and each batch's block tables."""
 
-    def __init__(self, fmt: str, batches: list[int], context: int, step_ops: str) -> None:
+    def __init__(
+        self, fmt: str, batches: list[int], context: int, step_ops: str, layers: str = "whole"
+    ) -> None:
         weights, _, kernel = fmt.partition(":")  # q4:native, q4:torch
         self.served = load_served_model(
             MODEL, weight_format=weights, q4_kernel=kernel or "torch", step_ops=step_ops
         )
         self.model = self.served.built
+        if layers == "ops":  # each layer's ops one by one from Python, as before decode_layer.cpp
+            self.model._whole_layers = False  # type: ignore[attr-defined]
         self.linears = linear_layers(self.model)
         tied = getattr(self.model, "lm_head", None) is None
         self.tied_head = self.model.model.embed_tokens.weight if tied else None
@@ -106,34 +113,45 @@ def main() -> None:
     p.add_argument("--context", type=int, default=150, help="tokens cached per sequence")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--step-ops", nargs="+", default=["auto"], choices=["auto", "torch", "native"])
+    p.add_argument(
+        "--layers",
+        nargs="+",
+        default=["whole"],
+        choices=["whole", "ops"],
+        help="whole: a decode-only native q4 step runs each layer in one call; ops: op by op",
+    )
     p.add_argument("--out", default=str(RESULTS / "decode_step.json"))
     args = p.parse_args()
     setups = {
-        (fmt, ops): Setup(fmt, args.batches, args.context, ops)
+        (fmt, ops, layers): Setup(fmt, args.batches, args.context, ops, layers)
         for fmt in args.formats
         for ops in args.step_ops
+        for layers in args.layers
     }
     configs = [
-        (f, o, t, b)
+        (f, o, layers, t, b)
         for t in args.threads
         for b in args.batches
         for f in args.formats
         for o in args.step_ops
+        for layers in args.layers
     ]
     step: dict[tuple, list[float]] = {c: [] for c in configs}
     floor: dict[tuple, list[float]] = {c: [] for c in configs}
     for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
-        for fmt, ops, threads, batch in configs:
+        for config in configs:
+            fmt, ops, layers, threads, batch = config
             torch.set_num_threads(threads)
-            setup = setups[(fmt, ops)]
+            setup = setups[(fmt, ops, layers)]
             s, f = timed(setup.step, batch), timed(setup.floor, batch)
             if repeat:
-                step[(fmt, ops, threads, batch)].append(s)
-                floor[(fmt, ops, threads, batch)].append(f)
+                step[config].append(s)
+                floor[config].append(f)
     rows = [row(c, step, floor) for c in configs]
     for r in rows:
         print(
-            f"{r['format']:>9} {r['step_ops']:>6} ops, threads {r['threads']} batch {r['batch']:>2}: step "
+            f"{r['format']:>9} {r['step_ops']:>6} ops, {r['layers']} layers, threads "
+            f"{r['threads']} batch {r['batch']:>2}: step "
             f"{r['step_ms']['median']:6.1f} ms, linear floor {r['floor_ms']['median']:6.1f} ms, "
             f"step/floor {r['step_over_floor']['median']:.2f} "
             f"({r['step_over_floor']['min']:.2f}-{r['step_over_floor']['max']:.2f})"
@@ -154,11 +172,18 @@ def main() -> None:
                 if "q4_torch_over_this" in r
                 else ""
             )
+            + (
+                f", ops/whole {r['ops_over_whole']['median']:.2f} "
+                f"({r['ops_over_whole']['min']:.2f}-{r['ops_over_whole']['max']:.2f})"
+                if "ops_over_whole" in r
+                else ""
+            )
         )
     conditions = {
         "model": MODEL,
         "dtype": next(iter(setups.values())).served.config.dtype,
-        "step_ops": {f"{f}/{o}": s.served.config.step_ops for (f, o), s in setups.items()},
+        "step_ops": {f"{f}/{o}": s.served.config.step_ops for (f, o, _), s in setups.items()},
+        "layers": args.layers,
         "context_tokens": args.context,
         "repeats": args.repeats,
         "inner_steps": INNER,
@@ -169,26 +194,26 @@ def main() -> None:
 
 
 def row(config: tuple, step: dict, floor: dict) -> dict:
-    fmt, ops, threads, batch = config
+    fmt, ops, layers, threads, batch = config
     ratios = [s / f for s, f in zip(step[config], floor[config])]
     out = {
         "format": fmt,
         "step_ops": ops,
+        "layers": layers,
         "threads": threads,
         "batch": batch,
         "step_ms": spread(step[config]),
         "floor_ms": spread(floor[config]),
         "step_over_floor": spread(ratios),
     }
-    dense = ("dense", ops, threads, batch)
-    if fmt != "dense" and dense in step:
-        out["dense_over_this"] = spread(d / s for d, s in zip(step[dense], step[config]))
-    torch_ops = (fmt, "torch", threads, batch)
-    if ops != "torch" and torch_ops in step:
-        out["torch_ops_over_this"] = spread(t / s for t, s in zip(step[torch_ops], step[config]))
-    torch_q4 = ("q4:torch", ops, threads, batch)
-    if fmt == "q4:native" and torch_q4 in step:
-        out["q4_torch_over_this"] = spread(t / s for t, s in zip(step[torch_q4], step[config]))
+    for key, other, applies in (
+        ("dense_over_this", ("dense", ops, layers, threads, batch), True),
+        ("torch_ops_over_this", (fmt, "torch", layers, threads, batch), True),
+        ("q4_torch_over_this", ("q4:torch", ops, layers, threads, batch), fmt == "q4:native"),
+        ("ops_over_whole", (fmt, ops, "ops", threads, batch), True),
+    ):
+        if applies and other != config and other in step:
+            out[key] = spread(o / s for o, s in zip(step[other], step[config]))
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import ModelConfig
-from pdserve.engine.paged_cache import PagedCache
+from pdserve.engine.paged_cache import PagedCache, PromptChunk
 from pdserve.kernels import native, step_ops
 from pdserve.models.llama import RMSNorm
 from pdserve.models.loading import load_served_model
@@ -181,3 +181,37 @@ def test_a_served_step_on_either_ops_gives_the_same_greedy_tokens():
             lengths = [n + 1 for n in lengths]
         tokens[ops] = out
     assert tokens["native"] == tokens["torch"]
+
+
+def test_a_whole_layer_in_one_native_call_is_bit_identical_to_the_ops_one_by_one():
+    """decode_layer.cpp runs each layer of a decode-only q4 step in one call: the logits and
+    the K and V it writes are exactly those of llama.py's layer, op by op, at any batch; a step
+    with a prompt chunk keeps to the ops one by one."""
+    served = load_served_model("smollm2-135m-instruct", weight_format="q4", q4_kernel="native")
+    model = served.built
+    assert model.whole_layers(1) and not model.whole_layers(128)  # 128 rows: float32 matrices
+    pool = BlockPool(64, 16)
+    lengths = [150, 3, 47]
+    tables = [pool.reserve(n + 1) for n in lengths]
+    for table, n in zip(tables, lengths):
+        table.ensure(n + 1)
+
+    def step(whole: bool, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = PagedCache(served.config, 64, 16)
+        cache.kv.normal_(generator=_gen(10))
+        model._whole_layers = whole
+        view = cache.step_view(tables[:batch], lengths[:batch])
+        assert view.decode_only
+        logits = model.decode_paged([5, 77, 1000][:batch], lengths[:batch], view)
+        return logits, cache.kv
+
+    try:
+        for batch in (1, 3):
+            whole_logits, whole_kv = step(True, batch)
+            ops_logits, ops_kv = step(False, batch)
+            assert torch.equal(whole_logits, ops_logits) and torch.equal(whole_kv, ops_kv)
+    finally:
+        model._whole_layers = True
+    cache = PagedCache(served.config, 64, 16)
+    chunk = PromptChunk(tables[1], 0, 4)
+    assert not cache.step_view(tables[:1], lengths[:1], [chunk]).decode_only

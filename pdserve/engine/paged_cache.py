@@ -148,6 +148,19 @@ class DecodeStepKv:
             for members in buckets_by_length(lengths)
         ]
 
+    @property
+    def decode_only(self) -> bool:
+        """Every row is a decode that the native paged_decode attends: a model may then run
+        each whole layer natively, with layer_operands (pdserve/kernels/decode_layer.cpp)."""
+        return self._fused is not None and not self._chunks
+
+    def layer_operands(self, layer: int) -> tuple:
+        """What paged_decode takes for layer `layer` besides q, k and v."""
+        f = self._fused
+        assert f is not None, "layer_operands of a step that is not decode_only"
+        kv = self._cache.kv
+        return (kv[layer, 0], kv[layer, 1], self._new, f.blocks, f.spans, f.block_size)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]
         outs = []

@@ -41,7 +41,9 @@ from pdserve.core.config import Q4_KERNEL_CHOICES
 log = logging.getLogger(__name__)
 
 # One library from both sources: the q4 kernel and the fused step ops (step_ops.py).
-SOURCES = [Path(__file__).with_name(name) for name in ("q4_1_avx2.cpp", "step_ops.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("q4_1_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
+]
 LIBRARY_PREFIX = "pdserve_native-"
 # -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape
 # and not in another, and a row's result would depend on how many rows share its call.

@@ -65,10 +65,20 @@ class DecoderOnly(nn.Module):
     ) -> torch.Tensor:
         pos = torch.tensor(positions, dtype=torch.long)
         x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
+        # A step of decodes alone (the paged cache's decode_only; a view that wraps it has
+        # none), where the architecture runs whole layers natively: one call per layer.
+        if getattr(cache, "decode_only", False) and self.whole_layers(len(tokens)):
+            for index, layer in enumerate(self._decoder_layers()):
+                x = layer.decode_whole(x, rotary, cache.layer_operands(index))  # type: ignore[attr-defined]
+            return self.logits(x if logits_rows is None else x[logits_rows])
         for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
             x = layer.finish(x, cache.attend(index, q, k, v))
         return self.logits(x if logits_rows is None else x[logits_rows])
+
+    def whole_layers(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows may run each layer in one native call."""
+        return False
 
     @torch.inference_mode()
     def forward_contiguous(self, tokens: list[int], cache: ContiguousKv) -> torch.Tensor:

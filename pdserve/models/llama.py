@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
-from pdserve.models.quantized import Q4Source, make_linear, stacked
+from pdserve.models.quantized import WIDE_ROWS, Q4Linear, Q4Source, make_linear, stacked
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 
@@ -118,6 +118,37 @@ class Layer(nn.Module):
         x = x + self.self_attn.o_proj(attn.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def runs_whole(self) -> bool:
+        """Its matrices are native Q4_1 without biases and its norms native: decode_whole
+        runs exactly what qkv() and finish() run."""
+        a, mlp = self.self_attn, self.mlp
+        matrices = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        native = all(
+            isinstance(m, Q4Linear) and m.kernel == "native" and m.bias is None for m in matrices
+        )
+        return native and self.input_layernorm.fused and self.post_attention_layernorm.fused
+
+    def decode_whole(self, x: torch.Tensor, rotary: Rotary, attend_operands: tuple) -> torch.Tensor:
+        """qkv() then finish() of a decode step in one native call (decode_layer.cpp), the same
+        ops in the same order. `attend_operands`: the paged cache's for this layer."""
+        a, mlp = self.self_attn, self.mlp
+        return torch.ops.pdserve.decode_layer(
+            x,
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            cast(Q4Linear, a.qkv_proj).blocks,
+            cast(Q4Linear, a.o_proj).blocks,
+            cast(Q4Linear, mlp.gate_up_proj).blocks,
+            cast(Q4Linear, mlp.down_proj).blocks,
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            rotary.cos,
+            rotary.sin_signed,
+            *attend_operands,
+        )
+
 
 class Backbone(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
@@ -143,6 +174,7 @@ class LlamaForCausalLM(DecoderOnly):
         self._inv_freq = inverse_frequencies(
             config.head_dim, config.rope_theta, dict(config.rope_scaling)
         )
+        self._whole_layers = False  # set by use_weights where every layer runs_whole
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -161,6 +193,10 @@ class LlamaForCausalLM(DecoderOnly):
             return F.linear(x, self.model.embed_tokens.weight)
         return self.lm_head(x)
 
+    def whole_layers(self, rows: int) -> bool:
+        """Below WIDE_ROWS a q4 matrix runs its 4-bit kernel, as decode_layer.cpp does."""
+        return self._whole_layers and rows < WIDE_ROWS
+
     def use_weights(self, fmt: str, q4: Q4Source) -> None:
         """Fuses each layer's projections and holds every linear layer in `fmt` (quantized.py);
         `q4` holds a GGUF's own 4-bit blocks, where there are any, and the q4 kernel. The
@@ -175,3 +211,7 @@ class LlamaForCausalLM(DecoderOnly):
             if self.lm_head is not None:
                 head = cast(nn.Linear, self.lm_head).weight
             self.lm_head = make_linear("int8", head, None)
+        layers = cast(list[Layer], list(self.layers))
+        self._whole_layers = self.config.step_ops == "native" and all(
+            layer.runs_whole() for layer in layers
+        )
