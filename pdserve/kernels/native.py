@@ -1,5 +1,6 @@
 """Build and load pdserve's native library: the AVX2 Q4_1 kernel (q4_1_avx2.cpp), the other q4
-kernel beside torch's, and the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py).
+kernel beside torch's, the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py), and a
+decode step's whole Llama layer in one call over them (decode_layer.cpp).
 
 `--q4-kernel` picks how q4 layers multiply:
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16
