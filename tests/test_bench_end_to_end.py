@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -51,17 +52,55 @@ def stack():
     try:
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + READY_SECONDS
-        while not check_health(address, timeout=1.0):
+        # Ready: the router says SERVING, all three services' /metrics answer, and one request
+        # goes through (a router's health can pass a moment before its first handoff can).
+        while not (
+            check_health(address, timeout=1.0)
+            and _metrics_answer(metrics_port)
+            and _one_request_served(address)
+        ):
             if proc.poll() is not None:
-                pytest.fail(
-                    f"pdserve up exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}"
-                )
+                pytest.fail(f"pdserve up exited ({proc.returncode}): {_stderr_tail(proc)}")
             if time.monotonic() > deadline:
-                pytest.fail(f"the stack was not serving after {READY_SECONDS:.0f} s")
+                pytest.fail(
+                    f"the stack was not serving after {READY_SECONDS:.0f} s: {_stderr_tail(proc)}"
+                )
             time.sleep(0.25)
         yield address, metrics_port, f"127.0.0.1:{prefill_port}"
     finally:
         _stop(proc)
+
+
+def _metrics_answer(base: int) -> bool:
+    for port in range(base, base + 3):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+        except OSError:
+            return False
+    return True
+
+
+def _one_request_served(address: str) -> bool:
+    request = pb.GenerateRequest(
+        prompt_token_ids=[7] * 8, sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True)
+    )
+    with grpc.insecure_channel(address) as channel:
+        try:
+            list(pb_grpc.RouterServiceStub(channel).Generate(request, timeout=10))
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def _stderr_tail(proc: subprocess.Popen) -> str:
+    """What the stack has written to stderr so far (without waiting for more)."""
+    chunks = []
+    while select.select([proc.stderr], [], [], 0)[0]:
+        chunk = os.read(proc.stderr.fileno(), 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")[-3000:]
 
 
 def _free_ports_in_a_row(count: int) -> int:
