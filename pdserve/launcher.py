@@ -157,6 +157,19 @@ def placement(args) -> dict[str, str]:
     return {role: getattr(args, f"{role}_cpus") or split[role] for role in ROLES}
 
 
+def _ports(*given: int) -> list[int]:
+    """Each given port as it is, and for each 0 a free port that none of the others is: a port
+    free now (given, or chosen, but not yet listened on) may come back from free_port()."""
+    ports: list[int] = []
+    for port in given:
+        while not port:
+            candidate = free_port()
+            if candidate not in given and candidate not in ports:
+                port = candidate
+        ports.append(port)
+    return ports
+
+
 def _interrupt(signum, frame) -> None:
     """SIGTERM to `pdserve up` stops the stack the way Ctrl-C does."""
     raise KeyboardInterrupt
@@ -182,15 +195,17 @@ def run_up(args) -> int:
     if "native" in (served.config.q4_kernel, served.config.step_ops):
         native.ensure_built()  # here once, not by two services at the same time
     print(f"model: {served.identity}", flush=True)
-    args.port = args.port or free_port()
+    args.port, args.prefill_port, args.decode_port = _ports(
+        args.port, args.prefill_port, args.decode_port
+    )
     cpus = placement(args)
     threads = args.torch_threads or "one per CPU"
     where = ", ".join(f"{role} on CPUs {cpus[role]}" for role in ROLES)
     print(f"placement: {where}; torch threads: {threads}", flush=True)
     commands = stack_commands(
         args.port,
-        args.prefill_port or free_port(),
-        args.decode_port or free_port(),
+        args.prefill_port,
+        args.decode_port,
         args.num_blocks,
         args.torch_threads,
         args.metrics_base_port,

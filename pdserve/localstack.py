@@ -70,8 +70,29 @@ def start_service(
     """Starts `pdserve serve ROLE` and waits (bounded) until its health check says SERVING, or,
     with ready=False, only until it accepts connections (a router whose backends it refuses).
 
-    `faults` sets PDSERVE_FAULTS for this process only (see pdserve/faults.py).
+    `faults` sets PDSERVE_FAULTS for this process only (see pdserve/faults.py). Without `port`,
+    a free one; if another process takes it before the service listens (free_port's answer is
+    only true when given), the service exits saying so, and it starts again on another.
     """
+    for attempt in range(1, BIND_TRIES + 1):
+        try:
+            return _start_service(role, flags, tmp_dir, port, faults, ready)
+        except PortTaken:
+            if port is not None or attempt == BIND_TRIES:
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+BIND_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The service exited at start-up because its port was taken."""
+
+
+def _start_service(
+    role: str, flags: tuple[str, ...], tmp_dir: str, port: int | None, faults: str, ready: bool
+) -> Service:
     port = port or free_port()
     log_path = os.path.join(tmp_dir, f"{role}-{port}.log")
     http_port = 0
@@ -104,7 +125,9 @@ def start_service(
     )
     wait_until(lambda: proc.poll() is not None or up(), START_TIMEOUT_SECONDS, f"{role} to serve")
     if proc.poll() is not None:
-        raise RuntimeError(f"{role} exited during start-up:\n{service.log()}")
+        logged = service.log()
+        taken = f"cannot listen on 127.0.0.1:{port}:" in logged  # pdserve.rpc.server's message
+        raise (PortTaken if taken else RuntimeError)(f"{role} exited during start-up:\n{logged}")
     return service
 
 

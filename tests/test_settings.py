@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import types
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,59 @@ def test_a_service_pinned_to_a_cpu_it_cannot_use_exits_with_a_message():
         timeout=60,
     )
     assert result.returncode == 2 and "cannot run there" in result.stderr
+
+
+def test_a_service_on_a_port_another_grpc_server_holds_exits_with_a_message():
+    """gRPC servers set SO_REUSEPORT by default, so a second one on a taken port would bind it
+    too, silently, and take half of the first one's connections. A pdserve service refuses."""
+    import grpc
+
+    holder = grpc.server(futures.ThreadPoolExecutor(1))  # gRPC's defaults: SO_REUSEPORT on
+    port = holder.add_insecure_port("127.0.0.1:0")
+    holder.start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "serve", "prefill", "--model", "tinygpt"]
+            + ["--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        holder.stop(None)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in result.stderr
+
+
+def test_up_never_hands_two_services_one_port(monkeypatch):
+    """A port free now can come back from the next free_port(), before anyone listens on it."""
+    from pdserve import launcher
+
+    offered = iter([5000, 5000, 6000, 6000, 7000])
+    monkeypatch.setattr(launcher, "free_port", lambda: next(offered))
+    assert launcher._ports(5000, 0, 0) == [5000, 6000, 7000]
+    assert launcher._ports(5001, 5002, 5003) == [5001, 5002, 5003]  # given ones as they are
+
+
+def test_a_test_service_whose_free_port_was_taken_starts_again_on_another(monkeypatch, tmp_path):
+    """free_port() is true only when it answers; the test stacks start a service again on
+    another port when its first one was taken meanwhile, rather than failing the test."""
+    import grpc
+
+    from pdserve import localstack
+
+    holder = grpc.server(futures.ThreadPoolExecutor(1))
+    taken = holder.add_insecure_port("127.0.0.1:0")
+    holder.start()
+    real = localstack.free_port
+    answers = iter([taken])
+    monkeypatch.setattr(localstack, "free_port", lambda: next(answers, None) or real())
+    try:
+        service = localstack.start_service("prefill", tmp_dir=str(tmp_path))
+        try:
+            assert service.port != taken and service.proc.poll() is None
+        finally:
+            service.stop()
+    finally:
+        holder.stop(None)
+    assert "the port is in use" in (tmp_path / f"prefill-{taken}.log").read_text()

@@ -30,6 +30,10 @@ CHANNEL_OPTIONS = [
 # Connections that no caller uses are closed, and clients may not ping more often than every
 # 10 s without calls: neither idle sockets nor ping floods can pile up on a server.
 SERVER_ONLY_OPTIONS = [
+    # gRPC sets SO_REUSEPORT by default, so a second server on a port already served binds it
+    # too, silently, and the kernel then splits connections between the two (grpc/grpc#16005,
+    # #10755): a service started on a taken port must fail, naming the port.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_connection_idle_ms", 5 * 60 * 1000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10 * 1000),
     ("grpc.http2.max_ping_strikes", 2),
@@ -132,12 +136,19 @@ class Server:
         address = f"{host}:{port}"
         if tls is None:
             check_plaintext_allowed(host, insecure, f"gRPC port {address}")
-            self.port = self.grpc.add_insecure_port(address)
-        else:
-            creds = tls.server_credentials(require_client_auth=internal)
-            self.port = self.grpc.add_secure_port(address, creds)
+        try:
+            if tls is None:
+                self.port = self.grpc.add_insecure_port(address)
+            else:
+                creds = tls.server_credentials(require_client_auth=internal)
+                self.port = self.grpc.add_secure_port(address, creds)
+        except RuntimeError:  # grpc's "Failed to bind": the port is taken (or not this host's)
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(
+                f"cannot listen on {address}: the port is in use (another process listens "
+                "there) or the address is not this host's"
+            )
 
     @classmethod
     def for_settings(cls, common, internal: bool, service: str | None) -> "Server":
