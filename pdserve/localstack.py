@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import time
 from dataclasses import dataclass
@@ -20,10 +21,21 @@ START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 15.0
 
 
+_handed_out: set[int] = set()  # every port free_port() has answered in this process
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never answered before in this process: a port handed out
+    may not be listened on yet, and the kernel can offer it again to the next caller."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 @dataclass
@@ -71,8 +83,9 @@ def start_service(
     with ready=False, only until it accepts connections (a router whose backends it refuses).
 
     `faults` sets PDSERVE_FAULTS for this process only (see pdserve/faults.py). Without `port`,
-    a free one; if another process takes it before the service listens (free_port's answer is
-    only true when given), the service exits saying so, and it starts again on another.
+    a free one; if another process takes it (or the router's HTTP port) before the service
+    listens (free_port's answer is only true when given), the service exits saying so, and it
+    starts again on others.
     """
     for attempt in range(1, BIND_TRIES + 1):
         try:
@@ -126,7 +139,10 @@ def _start_service(
     wait_until(lambda: proc.poll() is not None or up(), START_TIMEOUT_SECONDS, f"{role} to serve")
     if proc.poll() is not None:
         logged = service.log()
-        taken = f"cannot listen on 127.0.0.1:{port}:" in logged  # pdserve.rpc.server's message
+        # Its gRPC port (pdserve.rpc.server's message) or its HTTP port was taken meanwhile.
+        taken = (
+            f"cannot listen on 127.0.0.1:{port}:" in logged or "address already in use" in logged
+        )
         raise (PortTaken if taken else RuntimeError)(f"{role} exited during start-up:\n{logged}")
     return service
 
