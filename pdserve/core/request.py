@@ -1,6 +1,6 @@
 """A generation request as the engines see it, and the checks every entry point applies."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import ModelConfig
 
@@ -43,12 +43,7 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
     logprobs: bool = False  # report each token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives'
-    n: int = 1  # completions from the one prompt; completion i samples with choice_seed(i)
-
-    def choice_seed(self, index: int) -> int:
-        """Completion `index`'s seed: seed + index, so that each one gives the tokens a request
-        of one completion with that seed would."""
-        return (self.seed + index) & _SEED_MASK
+    n: int = 1  # completions from the one prompt; GenerateSpec.completion(i) is completion i
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +76,12 @@ class GenerateSpec:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    def completion(self, index: int) -> "GenerateSpec":
+        """Completion `index` of this request, as a request of one completion: seed + index,
+        which gives the tokens a request with that seed would."""
+        seed = (self.sampling.seed + index) & _SEED_MASK
+        return replace(self, sampling=replace(self.sampling, n=1, seed=seed))
 
     @property
     def max_total_tokens(self) -> int:

@@ -13,7 +13,6 @@ would get its first token (prefill's) and then nothing for as long. Alone, a cli
 slot.
 """
 
-import dataclasses
 import threading
 import time
 from collections import Counter
@@ -72,12 +71,10 @@ class DecodeScheduler:
 
     def _fork(self, first: Sequence, index: int) -> Sequence:
         """Completion `index` of `first`'s request: the prompt's blocks shared, its own seed."""
-        sampling = dataclasses.replace(
-            first.spec.sampling, seed=first.spec.sampling.choice_seed(index)
-        )
-        spec = dataclasses.replace(first.spec, sampling=sampling)
         table = self.runner.fork(first.table)
-        return Sequence(spec, table, first.sink, self.tokenizer, index=index)
+        return Sequence(
+            first.spec.completion(index), table, first.sink, self.tokenizer, index=index
+        )
 
     def abort(self, seq: Sequence) -> None:
         """Any thread: the sequence and its forks leave at the next step boundary (their blocks

@@ -211,7 +211,4 @@ class LlamaForCausalLM(DecoderOnly):
             if self.lm_head is not None:
                 head = cast(nn.Linear, self.lm_head).weight
             self.lm_head = make_linear("int8", head, None)
-        layers = cast(list[Layer], list(self.layers))
-        self._whole_layers = self.config.step_ops == "native" and all(
-            layer.runs_whole() for layer in layers
-        )
+        self._whole_layers = all(layer.runs_whole() for layer in cast(list[Layer], self.layers))

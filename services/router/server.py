@@ -436,9 +436,7 @@ async def serve(served: ServedModel, settings: RouterSettings) -> None:
 def _one_completion(inflight: Inflight, index: int) -> Inflight:
     """Completion `index` of a request of n, as a request of one completion: its own seed,
     which gives the same tokens."""
-    spec = inflight.spec
-    sampling = dataclasses.replace(spec.sampling, n=1, seed=spec.sampling.choice_seed(index))
-    return dataclasses.replace(inflight, spec=dataclasses.replace(spec, sampling=sampling))
+    return dataclasses.replace(inflight, spec=inflight.spec.completion(index))
 
 
 def _as_one_request(last: pb.GenerateResponse, spec: GenerateSpec, sent_before: int) -> None:
