@@ -12,6 +12,9 @@ q4 runs on either kernel (q4:torch, q4:native; pdserve/kernels/native.py); each 
 --layers whole ops runs the native q4 step with each layer in one native call
 (pdserve/kernels/decode_layer.cpp, what serving runs) and with its ops called one by one from
 Python, interleaved, and gives their ratio.
+--head served int8 runs each format with the output head it serves (Q8_0 on the native q4
+kernel, quantized.output_head) and with the int8-per-row head (torch._weight_int8pack_mm) that
+every quantized format served before, interleaved, and gives their ratio.
 
 Goal (the engine issue): step <= 1.3 x floor at batch 1, 16 and 64. Configurations (format x
 threads x batch) are interleaved repeat by repeat; each figure is the median over --repeats, with
@@ -35,7 +38,7 @@ from common import spread, write_results
 from pdserve.core.block_pool import BlockPool
 from pdserve.engine.paged_cache import PagedCache
 from pdserve.models.loading import load_served_model
-from pdserve.models.quantized import Int8Linear, Q4Linear
+from pdserve.models.quantized import Int8Linear, Q4Linear, Q8Linear
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m-instruct"
@@ -49,7 +52,7 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """Every linear layer of the model with its input width."""
     found = []
     for module in model.modules():
-        if isinstance(module, (nn.Linear, Int8Linear, Q4Linear)):
+        if isinstance(module, (nn.Linear, Int8Linear, Q4Linear, Q8Linear)):
             found.append((module, module.in_features))
     return found
 
@@ -58,7 +61,13 @@ class Setup:
     """One served format: the model, a pool and each batch's block tables."""
 
     def __init__(
-        self, fmt: str, batches: list[int], context: int, step_ops: str, layers: str = "whole"
+        self,
+        fmt: str,
+        batches: list[int],
+        context: int,
+        step_ops: str,
+        layers: str = "whole",
+        head: str = "served",
     ) -> None:
         weights, _, kernel = fmt.partition(":")  # q4:native, q4:torch
         self.served = load_served_model(
@@ -67,6 +76,9 @@ class Setup:
         self.model = self.served.built
         if layers == "ops":  # each layer's ops one by one from Python, as before decode_layer.cpp
             self.model._whole_layers = False  # type: ignore[attr-defined]
+        if head == "int8" and isinstance(self.model.lm_head, Q8Linear):
+            # SmolLM2's head is tied: the embedding's weights, as the int8 head was made from.
+            self.model.lm_head = Int8Linear(self.model.model.embed_tokens.weight, None)
         self.linears = linear_layers(self.model)
         tied = getattr(self.model, "lm_head", None) is None
         self.tied_head = self.model.model.embed_tokens.weight if tied else None
@@ -120,29 +132,38 @@ def main() -> None:
         choices=["whole", "ops"],
         help="whole: a decode-only native q4 step runs each layer in one call; ops: op by op",
     )
+    p.add_argument(
+        "--head",
+        nargs="+",
+        default=["served"],
+        choices=["served", "int8"],
+        help="served: the format's own output head; int8: int8 per row, as before Q8_0",
+    )
     p.add_argument("--out", default=str(RESULTS / "decode_step.json"))
     args = p.parse_args()
     setups = {
-        (fmt, ops, layers): Setup(fmt, args.batches, args.context, ops, layers)
+        (fmt, ops, layers, head): Setup(fmt, args.batches, args.context, ops, layers, head)
         for fmt in args.formats
         for ops in args.step_ops
         for layers in args.layers
+        for head in args.head
     }
     configs = [
-        (f, o, layers, t, b)
+        (f, o, layers, head, t, b)
         for t in args.threads
         for b in args.batches
         for f in args.formats
         for o in args.step_ops
         for layers in args.layers
+        for head in args.head
     ]
     step: dict[tuple, list[float]] = {c: [] for c in configs}
     floor: dict[tuple, list[float]] = {c: [] for c in configs}
     for repeat in range(args.repeats + 1):  # the first round warms up and is dropped
         for config in configs:
-            fmt, ops, layers, threads, batch = config
+            fmt, ops, layers, head, threads, batch = config
             torch.set_num_threads(threads)
-            setup = setups[(fmt, ops, layers)]
+            setup = setups[(fmt, ops, layers, head)]
             s, f = timed(setup.step, batch), timed(setup.floor, batch)
             if repeat:
                 step[config].append(s)
@@ -150,7 +171,8 @@ def main() -> None:
     rows = [row(c, step, floor) for c in configs]
     for r in rows:
         print(
-            f"{r['format']:>9} {r['step_ops']:>6} ops, {r['layers']} layers, threads "
+            f"{r['format']:>9} {r['step_ops']:>6} ops, {r['layers']} layers, {r['head']} head, "
+            f"threads "
             f"{r['threads']} batch {r['batch']:>2}: step "
             f"{r['step_ms']['median']:6.1f} ms, linear floor {r['floor_ms']['median']:6.1f} ms, "
             f"step/floor {r['step_over_floor']['median']:.2f} "
@@ -178,12 +200,19 @@ def main() -> None:
                 if "ops_over_whole" in r
                 else ""
             )
+            + (
+                f", int8 head/this {r['int8_head_over_this']['median']:.2f} "
+                f"({r['int8_head_over_this']['min']:.2f}-{r['int8_head_over_this']['max']:.2f})"
+                if "int8_head_over_this" in r
+                else ""
+            )
         )
     conditions = {
         "model": MODEL,
         "dtype": next(iter(setups.values())).served.config.dtype,
-        "step_ops": {f"{f}/{o}": s.served.config.step_ops for (f, o, _), s in setups.items()},
+        "step_ops": {f"{f}/{o}": s.served.config.step_ops for (f, o, _, _), s in setups.items()},
         "layers": args.layers,
+        "heads": args.head,
         "context_tokens": args.context,
         "repeats": args.repeats,
         "inner_steps": INNER,
@@ -194,12 +223,13 @@ def main() -> None:
 
 
 def row(config: tuple, step: dict, floor: dict) -> dict:
-    fmt, ops, layers, threads, batch = config
+    fmt, ops, layers, head, threads, batch = config
     ratios = [s / f for s, f in zip(step[config], floor[config])]
     out = {
         "format": fmt,
         "step_ops": ops,
         "layers": layers,
+        "head": head,
         "threads": threads,
         "batch": batch,
         "step_ms": spread(step[config]),
@@ -207,10 +237,11 @@ def row(config: tuple, step: dict, floor: dict) -> dict:
         "step_over_floor": spread(ratios),
     }
     for key, other, applies in (
-        ("dense_over_this", ("dense", ops, layers, threads, batch), True),
-        ("torch_ops_over_this", (fmt, "torch", layers, threads, batch), True),
-        ("q4_torch_over_this", ("q4:torch", ops, layers, threads, batch), fmt == "q4:native"),
-        ("ops_over_whole", (fmt, ops, "ops", threads, batch), True),
+        ("dense_over_this", ("dense", ops, layers, head, threads, batch), True),
+        ("torch_ops_over_this", (fmt, "torch", layers, head, threads, batch), True),
+        ("q4_torch_over_this", ("q4:torch", ops, layers, head, threads, batch), fmt == "q4:native"),
+        ("ops_over_whole", (fmt, ops, "ops", head, threads, batch), True),
+        ("int8_head_over_this", (fmt, ops, layers, "int8", threads, batch), True),
     ):
         if applies and other != config and other in step:
             out[key] = spread(o / s for o, s in zip(step[other], step[config]))

@@ -6,7 +6,7 @@ batch size and thread count. Every layer has weights of its own (53 MB in all, m
 32 MB L3 of the EPYCs measured), so they are read from memory as a step reads
 them, not 30 times from one layer's 1.8 MB in the cache. The layers are Q4Linear modules built
 from the same random weights, so both read the same Q4_1 blocks: torch's through
-torch._weight_int4pack_mm_for_cpu, pdserve's own through pdserve/kernels/q4_1_avx2.cpp. Each
+torch._weight_int4pack_mm_for_cpu, pdserve's own through pdserve/kernels/blocks_avx2.cpp. Each
 repeat times one kernel and then the other (interleaved); reported are each kernel's median
 time and the per-repeat ratio torch / native, median (min-max).
 

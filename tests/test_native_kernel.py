@@ -1,11 +1,22 @@
-"""pdserve's own Q4_1 kernel (pdserve/kernels/q4_1_avx2.cpp): its arithmetic, its invariance
-to the batch and the threads, its refusals, and how --q4-kernel is decided."""
+"""pdserve's own kernel for llama.cpp's blocks (pdserve/kernels/blocks_avx2.cpp), Q4_1 for the
+layers and Q8_0 for the output head: its arithmetic, its invariance to the batch and the
+threads, its refusals, and how --q4-kernel is decided."""
 
 import pytest
 import torch
 
 from pdserve.kernels import native
-from pdserve.models.quantized import WIDE_ROWS, Q4Linear, make_linear, q4_blocks, rounded_to_8_bits
+from pdserve.models.quantized import (
+    WIDE_ROWS,
+    Int8Linear,
+    Q4Linear,
+    Q8Linear,
+    make_linear,
+    output_head,
+    q4_blocks,
+    q8_0_from_block_bytes,
+    rounded_to_8_bits,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +65,15 @@ def test_the_weights_are_the_q4_1_blocks_as_given():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_gets_the_same_result_in_any_batch_and_on_any_threads(dtype):
+@pytest.mark.parametrize("block", ["q4_1", "q8_0"])
+def test_a_row_gets_the_same_result_in_any_batch_and_on_any_threads(dtype, block):
     """Up to 4 rows take tiles held in registers, more take another loop; 112 output rows leave
     each thread's share a remainder that the smaller tiles take. Every one sums as the others."""
     gen = torch.Generator().manual_seed(3)
-    layer = make_linear("q4", torch.randn(112, 1536, generator=gen), None, q4_kernel="native")
+    weight = torch.randn(112, 1536, generator=gen)
+    layer = (
+        make_linear("q4", weight, None, q4_kernel="native") if block == "q4_1" else Q8Linear(weight)
+    )
     x = torch.randn(33, 1536, generator=gen).to(dtype)
     threads = torch.get_num_threads()
     try:
@@ -91,6 +106,48 @@ def test_bad_arguments_are_refused_with_a_message(layer):
         op(torch.randn(160, 2).T, layer.blocks)
     with pytest.raises(RuntimeError, match="uint8 matrix of Q4_1 blocks"):
         op(x, layer.blocks.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_q8_0_kernel_multiplies_8_bit_activations_by_the_8_bit_weights(dtype):
+    """(x rounded to int8 per block of 32) @ (code * scale).T, up to float rounding; negative
+    codes included (maddubs takes one unsigned operand, so the kernel moves the signs)."""
+    gen = torch.Generator().manual_seed(5)
+    head = Q8Linear(torch.randn(80, 192, generator=gen))
+    x = torch.randn(6, 192, generator=gen).to(dtype)
+    got = head(x)
+    assert got.dtype == dtype and got.shape == (6, 80)
+    expected = rounded_to_8_bits(x).double() @ q8_0_from_block_bytes(head.blocks).double().T
+    bound = (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
+    assert (got.double() - expected).abs().max() < bound
+    assert head(-x).neg().allclose(got, rtol=0, atol=float(bound))
+
+
+def test_q8_0_blocks_are_llama_cpps_and_give_back_a_q8_0_weight_exactly():
+    """block_q8_0: the fp16 scale max|w| / 127 of each 32 weights, then round(w / scale) as
+    signed bytes. A weight that already is Q8_0 (codes times an fp16 scale, in float32, as a
+    GGUF's Q8_0 head dequantises) gives back its own codes and scales."""
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.randint(-127, 128, (16, 64), generator=gen, dtype=torch.int8)
+    codes[:, 0] = 127  # each block's largest code sets its scale
+    codes[:, 32] = -127
+    scales = (torch.rand(16, 2, generator=gen) / 50).half()
+    weight = (codes.float().view(16, 2, 32) * scales.float()[..., None]).view(16, 64)
+    blocks = Q8Linear(weight).blocks
+    assert blocks.shape == (16, 2 * 34) and blocks.dtype == torch.uint8
+    grouped = blocks.view(16, 2, 34)
+    assert torch.equal(grouped[..., :2].contiguous().view(torch.float16)[..., 0], scales)
+    assert torch.equal(grouped[..., 2:].contiguous().view(torch.int8), codes.view(16, 2, 32))
+    assert torch.equal(q8_0_from_block_bytes(blocks), weight)
+
+
+def test_a_q4_model_on_the_native_kernel_has_a_q8_0_head():
+    weight = torch.randn(64, 96)
+    assert isinstance(output_head("q4", weight, "native"), Q8Linear)
+    assert isinstance(output_head("q4", weight, "torch"), Int8Linear)
+    assert isinstance(output_head("int8", weight, "native"), Int8Linear)
+    with pytest.raises(RuntimeError, match="uint8 matrix of Q8_0 blocks"):
+        torch.ops.pdserve.q8_0_linear(torch.randn(2, 96), weight)
 
 
 def test_native_is_refused_clearly_where_it_cannot_be_built(monkeypatch, tmp_path):

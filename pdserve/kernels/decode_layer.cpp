@@ -22,7 +22,7 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// The library's own ops (q4_1_avx2.cpp, step_ops.cpp), found once.
+// The library's own ops (blocks_avx2.cpp, step_ops.cpp), found once.
 struct Ops {
   c10::TypedOperatorHandle<Linear> linear = op<Linear>("pdserve::q4_1_linear");
   c10::TypedOperatorHandle<Norm> norm = op<Norm>("pdserve::rms_norm");

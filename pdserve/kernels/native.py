@@ -1,12 +1,14 @@
-"""Build and load pdserve's native library: the AVX2 Q4_1 kernel (q4_1_avx2.cpp), the other q4
-kernel beside torch's, the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py), and a
-decode step's whole Llama layer in one call over them (decode_layer.cpp).
+"""Build and load pdserve's native library: the AVX2 kernel for llama.cpp's Q4_1 and Q8_0
+blocks (blocks_avx2.cpp: the other q4 kernel beside torch's, and the Q8_0 output head of a q4
+model on it), the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py), and a decode
+step's whole Llama layer in one call over them (decode_layer.cpp).
 
 `--q4-kernel` picks how q4 layers multiply:
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16
-  native  q4_1_avx2.cpp, on llama.cpp's own block_q4_1 bytes: activations rounded to int8 per
-          block of 32 and integer dot products, as llama.cpp computes Q4_1. It needs x86-64
-          Linux with AVX2, FMA and F16C.
+  native  blocks_avx2.cpp, on llama.cpp's own block_q4_1 bytes: activations rounded to int8 per
+          block of 32 and integer dot products, as llama.cpp computes Q4_1. The output head is
+          then Q8_0 on the same kernel (quantized.output_head). It needs x86-64 Linux with
+          AVX2, FMA and F16C.
   auto    (the default) native where torch's own CPU kernels run their AVX2 code, torch where
           they run AVX-512 code. Measured (docs/measurements.md, "Which q4 kernel"): on an
           AVX-512 EPYC torch's is as fast at one row and faster from 4; on an AVX2-only EPYC
@@ -19,8 +21,8 @@ The library is compiled once with the C++ compiler (`c++`, or $CXX) against the 
 into $PDSERVE_KERNEL_DIR (default: share/pdserve-kernels in the Python environment), under a name
 that hashes the source, torch's version and the flags, so a changed source or torch is rebuilt.
 scripts/install.sh builds it (`python -m pdserve.kernels.native`), so no server waits for it.
-It registers torch.ops.pdserve.q4_1_linear and the step ops: loaded through torch, not Python's importer,
-it needs no Python headers and no build tool besides the compiler.
+It registers torch.ops.pdserve.q4_1_linear, q8_0_linear and the step ops: loaded through torch,
+not Python's importer, it needs no Python headers and no build tool besides the compiler.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ log = logging.getLogger(__name__)
 
 # One library from both sources: the q4 kernel and the fused step ops (step_ops.py).
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("q4_1_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
+    Path(__file__).with_name(name)
+    for name in ("blocks_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
 ]
 LIBRARY_PREFIX = "pdserve_native-"
 # -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape

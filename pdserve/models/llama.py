@@ -14,7 +14,14 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
-from pdserve.models.quantized import WIDE_ROWS, Q4Linear, Q4Source, make_linear, stacked
+from pdserve.models.quantized import (
+    WIDE_ROWS,
+    Q4Linear,
+    Q4Source,
+    make_linear,
+    output_head,
+    stacked,
+)
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 
@@ -200,8 +207,8 @@ class LlamaForCausalLM(DecoderOnly):
     def use_weights(self, fmt: str, q4: Q4Source) -> None:
         """Fuses each layer's projections and holds every linear layer in `fmt` (quantized.py);
         `q4` holds a GGUF's own 4-bit blocks, where there are any, and the q4 kernel. The
-        output head, the largest matrix, is int8 in both quantized formats, as llama.cpp keeps
-        its own in 8 bits."""
+        output head, the largest matrix, is 8-bit in both quantized formats (output_head), as
+        llama.cpp keeps its own."""
         for index, layer in enumerate(cast(list[Layer], list(self.layers))):
             prefix = f"model.layers.{index}."
             layer.self_attn.fuse(fmt, q4, prefix + "self_attn.")
@@ -210,5 +217,5 @@ class LlamaForCausalLM(DecoderOnly):
             head: torch.Tensor = self.model.embed_tokens.weight
             if self.lm_head is not None:
                 head = cast(nn.Linear, self.lm_head).weight
-            self.lm_head = make_linear("int8", head, None)
+            self.lm_head = output_head(fmt, head, q4.kernel)
         self._whole_layers = all(layer.runs_whole() for layer in cast(list[Layer], self.layers))

@@ -1,13 +1,17 @@
-// x @ W.T for W held as Q4_1 blocks, on AVX2 and F16C, as the op pdserve::q4_1_linear.
+// x @ W.T for W held as llama.cpp's quantised blocks, on AVX2 and F16C, as the ops
+// pdserve::q4_1_linear and pdserve::q8_0_linear.
 //
-// The blocks are llama.cpp's block_q4_1, byte for byte: per 32 weights of a row, 20 bytes, the
-// scale and the minimum as fp16, then 16 bytes of which byte i holds weight i (low nibble) and
-// weight i + 16 (high nibble). One stream of bytes per output row, as the file stores it.
+// The blocks are llama.cpp's, byte for byte, one stream of bytes per output row as the file
+// stores it. Per 32 weights of a row:
+//   block_q4_1  20 bytes: the scale and the minimum as fp16, then 16 bytes of which byte i holds
+//               weight i (low nibble) and weight i + 16 (high nibble); W = code * scale + minimum.
+//   block_q8_0  34 bytes: the scale as fp16, then 32 signed bytes; W = code * scale.
 //
 // llama.cpp's scheme: each row of x is quantised per block of 32 to int8 (scale max|x| / 127),
-// and each block's dot product with a block of 4-bit codes is an integer one (maddubs + madd),
-// scaled once per block. W = code * scale + minimum, so a block contributes
-//   scale_w * scale_x * sum(code * q) + minimum * scale_x * sum(q).
+// and each block's dot product with a block of codes is an integer one (maddubs + madd),
+// scaled once per block. A Q4_1 block contributes
+//   scale_w * scale_x * sum(code * q) + minimum * scale_x * sum(q),
+// a Q8_0 block the first term only.
 // Every output element sums its blocks in one fixed order, whatever the number of rows in the
 // call or the threads that share it: a row's result does not depend on its batch.
 #include <ATen/ATen.h>
@@ -23,7 +27,46 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kBlockBytes = 20;  // fp16 scale, fp16 minimum, 16 bytes of codes
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+// What the kernel needs of a block format: its size, its 32 codes as bytes, its scale, its
+// minimum (Q4_1 only), and the integer dot product of its codes with 32 int8 activations as
+// eight int32 partial sums.
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;  // fp16 scale, fp16 minimum, 16 bytes of codes
+  static constexpr bool kHasMinimum = true;
+  // The low nibbles (weights 0-15), then the high (16-31), each as a byte 0..15.
+  static __m256i codes(const uint8_t* block) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                            _mm256_set1_epi8(0x0F));
+  }
+  static float minimum(const uint8_t* block) { return half_at(block + 2); }
+  // Codes are unsigned, so they are maddubs' unsigned operand as they are.
+  static __m256i dot(__m256i c, __m256i a, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, a), ones);
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;  // fp16 scale, 32 signed bytes of codes
+  static constexpr bool kHasMinimum = false;
+  static __m256i codes(const uint8_t* block) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  }
+  static float minimum(const uint8_t*) { return 0.f; }
+  // maddubs multiplies unsigned by signed bytes: |c| times a with c's sign moved onto it gives
+  // the same products. Codes and activations lie in -127..127, so no pair sum saturates int16.
+  static __m256i dot(__m256i c, __m256i a, __m256i ones) {
+    const __m256i product = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(a, c));
+    return _mm256_madd_epi16(product, ones);
+  }
+};
 
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
@@ -56,35 +99,24 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(low);
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return _cvtsh_ss(bits);
-}
-
-// A block's 32 codes as 32 bytes: the low nibbles (weights 0-15), then the high (16-31).
-inline __m256i codes_at(const uint8_t* block, __m256i low_mask) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_mask);
-}
-
 // Codes, scales and minimums of block b of `count` consecutive rows, the same block `ahead`
 // rows on prefetched (see tile).
+template <typename F>
 inline void load_block(const uint8_t* rows, int64_t row_bytes, int64_t b, int count, int ahead,
-                       __m256i low_mask, __m256i* c, float* sw, float* mw) {
+                       __m256i* c, float* sw, float* mw) {
   for (int t = 0; t < count; ++t) {
-    const uint8_t* block = rows + t * row_bytes + b * kBlockBytes;
+    const uint8_t* block = rows + t * row_bytes + b * F::kBytes;
     _mm_prefetch(reinterpret_cast<const char*>(block + ahead * row_bytes), _MM_HINT_T0);
-    c[t] = codes_at(block, low_mask);
+    c[t] = F::codes(block);
     sw[t] = half_at(block);
-    mw[t] = half_at(block + 2);
+    mw[t] = F::minimum(block);
   }
 }
 
 // acc + (the integer dot product of codes c and activations a) * scale, lane by lane.
+template <typename F>
 inline __m256 add_block(__m256 acc, __m256i c, __m256i a, float scale, __m256i ones) {
-  const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c, a), ones);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(F::dot(c, a, ones)), _mm256_set1_ps(scale), acc);
 }
 
 // Rows R of x (quantised) times output rows T of W, over every block. R and T are constants
@@ -95,11 +127,10 @@ inline __m256 add_block(__m256 acc, __m256i c, __m256i a, float scale, __m256i o
 // Each block's bytes of the next stripe (T rows on) are prefetched: the hardware's prefetchers
 // alone left a batch-1 pass 1.4x slower than with it (SmolLM2's 53 MB of layers, one thread).
 // A prefetch past the end of the weights is only a hint, and never faults.
-template <int R, int T, typename Out>
+template <typename F, int R, int T, typename Out>
 void tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* weights,
           int64_t row_bytes, Out* out, int64_t n) {
   const int64_t blocks = k / kBlock;
-  const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][T];
   float offset[R][T];
@@ -108,13 +139,13 @@ void tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i c[T];
     float sw[T], mw[T];
-    load_block(weights, row_bytes, b, T, T, low_mask, c, sw, mw);
+    load_block<F>(weights, row_bytes, b, T, T, c, sw, mw);
     for (int r = 0; r < R; ++r) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
       const float da = d[r * blocks + b], sa = s[r * blocks + b];
       for (int t = 0; t < T; ++t) {
-        acc[r][t] = add_block(acc[r][t], c[t], a, sw[t] * da, ones);
-        offset[r][t] += mw[t] * sa;
+        acc[r][t] = add_block<F>(acc[r][t], c[t], a, sw[t] * da, ones);
+        if constexpr (F::kHasMinimum) offset[r][t] += mw[t] * sa;
       }
     }
   }
@@ -126,7 +157,7 @@ void tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint
 // Output rows [begin, end) for every row of x: T output rows at a time (a T-row stripe of W
 // stays in L1 while every group of R rows of x passes over it), the stripe's last rows and
 // x's last rows by smaller tiles.
-template <int R, int T, typename Out>
+template <typename F, int R, int T, typename Out>
 void stripe(const int8_t* q, const float* d, const float* s, int64_t rows, int64_t k,
             const uint8_t* weights, int64_t row_bytes, int64_t begin, int64_t end, Out* out,
             int64_t n) {
@@ -136,25 +167,24 @@ void stripe(const int8_t* q, const float* d, const float* s, int64_t rows, int64
     const uint8_t* w = weights + j * row_bytes;
     int64_t r = 0;
     for (; r + R <= rows; r += R)
-      tile<R, T>(q + r * k, d + r * blocks, s + r * blocks, k, w, row_bytes, out + r * n + j, n);
+      tile<F, R, T>(q + r * k, d + r * blocks, s + r * blocks, k, w, row_bytes, out + r * n + j, n);
     for (; r < rows; ++r)
-      tile<1, T>(q + r * k, d + r * blocks, s + r * blocks, k, w, row_bytes, out + r * n + j, n);
+      tile<F, 1, T>(q + r * k, d + r * blocks, s + r * blocks, k, w, row_bytes, out + r * n + j, n);
   }
   for (; j < end; ++j)
     for (int64_t r = 0; r < rows; ++r)
-      tile<1, 1>(q + r * k, d + r * blocks, s + r * blocks, k, weights + j * row_bytes,
-                 row_bytes, out + r * n + j, n);
+      tile<F, 1, 1>(q + r * k, d + r * blocks, s + r * blocks, k, weights + j * row_bytes,
+                    row_bytes, out + r * n + j, n);
 }
 
 // Five rows of x or more: a tile's codes are unpacked once per block for all the rows, which
 // outweighs accumulators held in memory (rows * Tile of them). Tile: output rows per tile, so
 // Tile independent accumulators per row of x, each block of x loaded once for them.
-template <int Tile, typename T>
+template <typename F, int Tile, typename T>
 void many_rows(const int8_t* q, const float* d, const float* s, int64_t rows, int64_t k,
                const uint8_t* weights, int64_t n, T* out) {
-  const int64_t blocks = k / kBlock, row_bytes = blocks * kBlockBytes;
+  const int64_t blocks = k / kBlock, row_bytes = blocks * F::kBytes;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    const __m256i low_mask = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     std::vector<__m256> acc(rows * Tile);
     std::vector<float> offset(rows * Tile);
@@ -165,13 +195,13 @@ void many_rows(const int8_t* q, const float* d, const float* s, int64_t rows, in
       for (int64_t b = 0; b < blocks; ++b) {
         __m256i c[Tile];
         float sw[Tile], mw[Tile];
-        load_block(weights + j0 * row_bytes, row_bytes, b, tile, Tile, low_mask, c, sw, mw);
+        load_block<F>(weights + j0 * row_bytes, row_bytes, b, tile, Tile, c, sw, mw);
         for (int64_t r = 0; r < rows; ++r) {
           const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
           const float da = d[r * blocks + b], sa = s[r * blocks + b];
           for (int t = 0; t < tile; ++t) {
-            acc[r * Tile + t] = add_block(acc[r * Tile + t], c[t], a, sw[t] * da, ones);
-            offset[r * Tile + t] += mw[t] * sa;
+            acc[r * Tile + t] = add_block<F>(acc[r * Tile + t], c[t], a, sw[t] * da, ones);
+            if constexpr (F::kHasMinimum) offset[r * Tile + t] += mw[t] * sa;
           }
         }
       }
@@ -183,44 +213,53 @@ void many_rows(const int8_t* q, const float* d, const float* s, int64_t rows, in
   });
 }
 
-template <typename Out>
+template <typename F, typename Out>
 void multiply(const int8_t* q, const float* d, const float* s, int64_t rows, int64_t k,
               const uint8_t* weights, int64_t n, Out* out) {
-  if (rows > 4) return many_rows<4>(q, d, s, rows, k, weights, n, out);
+  if (rows > 4) return many_rows<F, 4>(q, d, s, rows, k, weights, n, out);
   // Up to 4 rows of x, all in one tile of registers (16 on AVX2: R * T accumulators, T codes).
-  const int64_t row_bytes = k / kBlock * kBlockBytes;
+  const int64_t row_bytes = k / kBlock * F::kBytes;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     switch (rows) {
-      case 1: return stripe<1, 4>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
-      case 2: return stripe<2, 4>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
-      case 3: return stripe<3, 3>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
-      default: return stripe<4, 3>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
+      case 1: return stripe<F, 1, 4>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
+      case 2: return stripe<F, 2, 4>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
+      case 3: return stripe<F, 3, 3>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
+      default: return stripe<F, 4, 3>(q, d, s, rows, k, weights, row_bytes, begin, end, out, n);
     }
   });
 }
 
-template <typename T>
+template <typename F, typename T>
 at::Tensor linear_as(const at::Tensor& x, const at::Tensor& weights) {
   const int64_t rows = x.size(0), k = x.size(1), n = weights.size(0), blocks = k / kBlock;
   std::vector<int8_t> q(rows * k);
   std::vector<float> d(rows * blocks), s(rows * blocks);
   quantize_rows(x.data_ptr<T>(), rows, k, q.data(), d.data(), s.data());
   at::Tensor out = at::empty({rows, n}, x.options());
-  multiply(q.data(), d.data(), s.data(), rows, k, weights.data_ptr<uint8_t>(), n,
-           out.data_ptr<T>());
+  multiply<F>(q.data(), d.data(), s.data(), rows, k, weights.data_ptr<uint8_t>(), n,
+              out.data_ptr<T>());
   return out;
 }
 
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weights) {
+template <typename F>
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weights, const char* format) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous matrix");
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kByte && weights.is_contiguous(),
-              "weights: a contiguous uint8 matrix of Q4_1 blocks");
+              "weights: a contiguous uint8 matrix of ", format, " blocks");
   const int64_t k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && weights.size(1) == k / kBlock * kBlockBytes,
-              "weights: [rows, columns / 32 * 20] for x's columns");
-  if (x.scalar_type() == at::kBFloat16) return linear_as<at::BFloat16>(x, weights);
+  TORCH_CHECK(k % kBlock == 0 && weights.size(1) == k / kBlock * F::kBytes,
+              "weights: [rows, columns / 32 * ", F::kBytes, "] for x's columns");
+  if (x.scalar_type() == at::kBFloat16) return linear_as<F, at::BFloat16>(x, weights);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x: bfloat16 or float32");
-  return linear_as<float>(x, weights);
+  return linear_as<F, float>(x, weights);
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weights) {
+  return block_linear<Q4_1>(x, weights, "Q4_1");
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& weights) {
+  return block_linear<Q8_0>(x, weights, "Q8_0");
 }
 
 }  // namespace
@@ -228,4 +267,6 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weights) {
 TORCH_LIBRARY(pdserve, m) {
   m.def("q4_1_linear(Tensor x, Tensor weights) -> Tensor");
   m.impl("q4_1_linear", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear));
+  m.def("q8_0_linear(Tensor x, Tensor weights) -> Tensor");
+  m.impl("q8_0_linear", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear));
 }
