@@ -141,6 +141,27 @@ def test_q8_0_blocks_are_llama_cpps_and_give_back_a_q8_0_weight_exactly():
     assert torch.equal(q8_0_from_block_bytes(blocks), weight)
 
 
+def test_the_real_models_head_is_the_files_own_q8_0_blocks():
+    """SmolLM2's GGUF ships its embedding (the tied head) in Q8_0. q4 on the native kernel
+    computes its head's blocks from the checkpoint's bf16 weights, and gets the file's own bytes
+    back, every one: it multiplies the head llama.cpp multiplies."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from pdserve.models.gguf_import import smollm2_gguf_path
+    from pdserve.models.loading import load_served_model
+
+    served = load_served_model("smollm2-135m-instruct", weight_format="q4", q4_kernel="native")
+    embedding = next(
+        t for t in GGUFReader(smollm2_gguf_path()).tensors if t.name == "token_embd.weight"
+    )
+    assert embedding.tensor_type == GGMLQuantizationType.Q8_0
+    head = served.built.lm_head
+    assert isinstance(head, Q8Linear)
+    raw = np.asarray(embedding.data).reshape(head.out_features, -1)
+    assert torch.equal(head.blocks, torch.from_numpy(raw.copy()))
+
+
 def test_a_q4_model_on_the_native_kernel_has_a_q8_0_head():
     weight = torch.randn(64, 96)
     assert isinstance(output_head("q4", weight, "native"), Q8Linear)

@@ -77,12 +77,15 @@ class Q8Linear(nn.Module):
     """Codes in -127..127 per group of 32 input columns, each group with one scale: llama.cpp's
     Q8_0 (weight = code * scale), multiplied by the native kernel (pdserve/kernels/
     blocks_avx2.cpp) with activations rounded to int8 per block, as llama.cpp computes it.
-    Held in llama.cpp's block_q8_0 bytes: per group the fp16 scale, then the 32 codes.
+    Held in llama.cpp's block_q8_0 bytes: per group the fp16 scale, then the 32 codes. Computed
+    from the bf16 weights, they are SmolLM2's GGUF's own Q8_0 bytes again, every one of them
+    (tests/test_native_kernel.py): the bf16 rounding moves no weight by half a code.
 
     The output head of a q4 model on the native kernel: the largest matrix (SmolLM2's 49,152
-    rows), which the GGUF ships in Q8_0. Measured on the AVX2-only EPYC (2 threads, 2026-12-03):
-    0.86 ms per one-row pass against 2.3 ms for torch._weight_int8pack_mm (Int8Linear), 7.4 against
-    16 ms at 16 rows (docs/measurements.md, "The output head in Q8_0")."""
+    rows), which the GGUF ships in Q8_0. On the AVX2-only EPYC (2 threads, 2026-12-03) a
+    one-sequence decode step ran 1.17x faster with it than with torch._weight_int8pack_mm's
+    head (Int8Linear), 1.12-1.14x at 16 and 64 (docs/measurements.md, "The output head in
+    Q8_0")."""
 
     blocks: torch.Tensor  # a buffer, declared for the type checker
 
