@@ -96,11 +96,15 @@ class DecoderOnly(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 whatever the weights' dtype, so sampling sees the same numbers everywhere.
-        Invariant numerics give the head at least 4 rows, as PaddedRows does the other layers:
-        a tied head is no module for it to wrap."""
-        if self.config.numerics == "invariant":
+        Invariant numerics give a dense head at least 4 rows, as PaddedRows does the other
+        layers (a tied head is no module for it to wrap); an 8-bit head needs none."""
+        if self.config.numerics == "invariant" and not self.head_is_row_invariant():
             return with_min_rows(self.head, x).float()
         return self.head(x).float()
+
+    def head_is_row_invariant(self) -> bool:
+        """Whether the head gives a row the same logits however many rows share its pass."""
+        return False
 
     def rotary(self, positions: torch.Tensor):
         return None

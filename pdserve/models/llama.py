@@ -16,7 +16,9 @@ from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
 from pdserve.models.quantized import (
     WIDE_ROWS,
+    Int8Linear,
     Q4Linear,
+    Q8Linear,
     Q4Source,
     make_linear,
     output_head,
@@ -199,6 +201,11 @@ class LlamaForCausalLM(DecoderOnly):
         if self.lm_head is None:
             return F.linear(x, self.model.embed_tokens.weight)
         return self.lm_head(x)
+
+    def head_is_row_invariant(self) -> bool:
+        """The int8 and Q8_0 kernels are, from one row (quantized.PaddedRows says how it was
+        measured; blocks_avx2.cpp sums in one fixed order)."""
+        return isinstance(self.lm_head, (Int8Linear, Q8Linear))
 
     def whole_layers(self, rows: int) -> bool:
         """Below WIDE_ROWS a q4 matrix runs its 4-bit kernel, as decode_layer.cpp does."""
