@@ -45,6 +45,7 @@ from pdserve.models.invariant_attention import MIN_ROWS  # float32 GEMMs: invari
 log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
+Q8_0_BLOCK_BYTES = 34  # llama.cpp's block_q8_0: an fp16 scale, then 32 signed codes
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums
 WIDE_ROWS = 128  # from here up, a q4 layer multiplies in float32 (see the module's docstring)
@@ -103,19 +104,17 @@ class Q8Linear(nn.Module):
 
 def q8_0_block_bytes(weight: torch.Tensor) -> torch.Tensor:
     """llama.cpp's block_q8_0 bytes of a dense weight, [rows, groups * 34]: per group of 32 the
-    scale max|w| / 127 as fp16, then round(w / scale) as signed bytes, as llama.cpp quantises."""
-    rows, columns = weight.shape
-    groups = weight.detach().float().view(rows, columns // Q4_GROUP, Q4_GROUP)
-    scale = groups.abs().amax(-1) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
-    held = scale.to(torch.float16).view(rows, -1, 1).view(torch.uint8)
-    return torch.cat([held, codes.view(torch.uint8)], -1).reshape(rows, -1).contiguous()
+    scale as fp16, then the codes as signed bytes (int8_blocks)."""
+    rows = weight.shape[0]
+    codes, scale = int8_blocks(weight)
+    held = scale.to(torch.float16).view(torch.uint8)
+    as_bytes = codes.clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    return torch.cat([held, as_bytes], -1).reshape(rows, -1).contiguous()
 
 
 def q8_0_from_block_bytes(blocks: torch.Tensor) -> torch.Tensor:
     """The dense float32 weights that q8_0_block_bytes' bytes hold: code * fp16 scale."""
-    grouped = blocks.view(blocks.shape[0], -1, 34)
+    grouped = blocks.view(blocks.shape[0], -1, Q8_0_BLOCK_BYTES)
     scale = grouped[..., 0:2].contiguous().view(torch.float16).float()  # [rows, groups, 1]
     codes = grouped[..., 2:].contiguous().view(torch.int8).float()
     return (codes * scale).view(blocks.shape[0], -1)
@@ -226,12 +225,20 @@ def q4_1_from_block_bytes(blocks: torch.Tensor) -> Q4Blocks:
 
 def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
     """x in float32 as the native kernel sees it: each block of 32 rounded to int8 codes times
-    max|block| / 127. So a wide pass and a kernel pass of a row differ only in the order of
-    their float sums, and a prefilled prompt's KV is computed as its decode steps are."""
+    its scale (int8_blocks). So a wide pass and a kernel pass of a row differ only in the order
+    of their float sums, and a prefilled prompt's KV is computed as its decode steps are."""
+    codes, scale = int8_blocks(x)
+    return (codes * scale).view(x.shape)
+
+
+def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block of 32 of x's rows as llama.cpp rounds it to 8 bits, in float32: the codes
+    round(x / scale) [rows, groups, 32] and the scale max|block| / 127 [rows, groups, 1]. The
+    native kernel rounds its activations so, and Q8_0 its weights."""
     blocks = x.float().reshape(-1, x.shape[-1] // Q4_GROUP, Q4_GROUP)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    return (torch.round(blocks * inverse) * scale).view(x.shape)
+    return torch.round(blocks * inverse), scale
 
 
 class PaddedRows(nn.Module):
