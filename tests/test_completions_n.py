@@ -194,6 +194,48 @@ def test_n_completions_take_one_prefill_and_one_handoff(served):
     assert reply.usage.completion_tokens == 4 * 12
 
 
+def test_n_echoed_completions_share_one_scored_prompt_and_one_handoff(served):
+    """OpenAI's echo with n: every choice is the prompt, then completion i (as a request with
+    seed + i); the prompt's logprobs are scored once and head each choice's own logprobs."""
+    stack, ports, _ = served
+    url = stack.router.http_url
+    expected = [completions(url, seed=SEED + i, logprobs=1).choices[0] for i in range(3)]
+    before = handoffs(ports)
+    reply = completions(url, n=3, echo=True, logprobs=1)
+    assert handoffs(ports)[1] - before[1] == 1  # the generating request's one handoff
+    prompt_entries = len(PROMPT.encode())  # ASCII: a token per character
+    first_prompt = reply.choices[0].logprobs
+    for i, choice in enumerate(reply.choices):
+        assert choice.index == i
+        assert choice.text == PROMPT + expected[i].text
+        logprobs = choice.logprobs
+        assert logprobs.token_logprobs[0] is None
+        scored = logprobs.token_logprobs[:prompt_entries]
+        assert scored == first_prompt.token_logprobs[:prompt_entries]
+        # Completion i's own tokens, and their logprobs to float32's rounding: a fork decodes
+        # in a batch of n, the request of one completion alone.
+        assert logprobs.tokens[prompt_entries:] == expected[i].logprobs.tokens
+        generated = expected[i].logprobs.token_logprobs
+        assert logprobs.token_logprobs[prompt_entries:] == pytest.approx(generated, abs=1e-4)
+        assert logprobs.text_offset[prompt_entries] == len(PROMPT)  # each choice's own offsets
+    assert reply.usage.prompt_tokens == len(PROMPT.encode())
+    assert reply.usage.completion_tokens == 3 * 12
+
+
+def test_n_echoes_of_no_tokens_are_the_prompt_counted_once(served):
+    """max_tokens 0 (a log-likelihood request) with n: n copies of the scored prompt, nothing
+    generated, nothing handed off."""
+    stack, ports, _ = served
+    before = handoffs(ports)
+    reply = completions(stack.router.http_url, n=2, echo=True, logprobs=0, max_tokens=0)
+    assert handoffs(ports)[1] == before[1]
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == [PROMPT, PROMPT]
+    assert reply.choices[0].logprobs == reply.choices[1].logprobs
+    assert reply.choices[1].logprobs.text_offset == list(range(len(PROMPT)))
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(PROMPT), 0)
+
+
 def test_streamed_n_completions_interleave_by_index(served):
     stack, _, _ = served
     url = stack.router.http_url

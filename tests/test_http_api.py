@@ -382,7 +382,6 @@ BAD_INPUT = {
     "seed negative": (body(seed=-1), JSON, 400, "seed", "seed"),
     "n above eight": (body(n=9), JSON, 400, "n must be an integer in [1, 8]", "n"),
     "n zero": (body(n=0), JSON, 400, "n must be an integer in [1, 8]", "n"),
-    "n with echo": (body(n=2, echo=True), JSON, 400, "one completion", "echo"),
     "stream_options without stream": (
         body(stream_options={"include_usage": True}),
         JSON,

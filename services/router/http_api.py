@@ -188,8 +188,9 @@ class HttpApi:
     async def _echoed(
         self, parsed: OpenAIRequest, reply: fmt.Reply, spec: GenerateSpec, client: str
     ) -> web.Response:
-        """A completion that starts with its prompt: the prompt's own logprobs when asked for
-        (scored by a prefill), then what was generated, if max_tokens asked for any."""
+        """Completions that start with their prompt: the prompt's own logprobs when asked for
+        (scored once, by a prefill, for every completion), then what each one generated, if
+        max_tokens asked for any."""
         validate(spec, self.served.config)  # before anything runs, even when nothing is asked
         scored = None
         if spec.sampling.logprobs:
@@ -198,14 +199,11 @@ class HttpApi:
         if parsed.generates:
             responses = self.router.generate(lambda: spec, None, client)
             async with contextlib.aclosing(responses):
-                (completion,) = await _collected(responses)  # echo has n = 1 (openai_schema)
+                completions = await _collected(responses)
         else:
-            last = pb.GenerateResponse(
-                finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=spec.prompt_len)
-            )
-            completion = fmt.Completion("", last)
+            completions = [_nothing_generated(spec, index) for index in range(spec.sampling.n)]
         echo = fmt.Echo(self._prompt_text(parsed, spec), spec.prompt_token_ids, scored)
-        return web.json_response(reply.echoed(echo, completion), dumps=_dumps)
+        return web.json_response(reply.echoed(echo, completions), dumps=_dumps)
 
     def _prompt_text(self, parsed: OpenAIRequest, spec: GenerateSpec) -> str:
         if isinstance(parsed.prompt, str):
@@ -358,6 +356,16 @@ def _error_response(status: int, body: dict, headers: dict | None = None) -> web
 
 async def _whole(reply: fmt.Reply, responses: AsyncIterator[pb.GenerateResponse]) -> web.Response:
     return web.json_response(reply.whole(await _collected(responses)), dumps=_dumps)
+
+
+def _nothing_generated(spec: GenerateSpec, index: int) -> fmt.Completion:
+    """Completion `index` of an echo of max_tokens 0: no text, the prompt in its usage."""
+    last = pb.GenerateResponse(
+        finish_reason=pb.FINISH_REASON_LENGTH,
+        usage=pb.Usage(prompt_tokens=spec.prompt_len),
+        index=index,
+    )
+    return fmt.Completion("", last)
 
 
 async def _collected(responses: AsyncIterator[pb.GenerateResponse]) -> list[fmt.Completion]:

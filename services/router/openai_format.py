@@ -151,18 +151,21 @@ class Reply:
         choice["logprobs"] = self._logprobs(completion.logprobs, last.index)
         return choice
 
-    def echoed(self, echo: Echo, completion: Completion) -> dict:
-        """A non-streaming completion that starts with its prompt; its logprobs, when asked
-        for, start with the prompt's, the first token's null (it follows nothing)."""
-        body = self.whole([Completion(echo.text + completion.text, completion.last)])
+    def echoed(self, echo: Echo, completions: Sequence[Completion]) -> dict:
+        """A non-streaming reply whose completions each start with the prompt; their logprobs,
+        when asked for, start with the prompt's, the first token's null (it follows nothing)."""
+        body = self.whole([Completion(echo.text + c.text, c.last) for c in completions])
         if echo.scored is not None:
-            body["choices"][0]["logprobs"] = self._echo_logprobs(echo, completion.logprobs)
+            by_index = {c.last.index: c.logprobs for c in completions}
+            for choice in body["choices"]:
+                index = choice["index"]
+                choice["logprobs"] = self._echo_logprobs(echo, by_index[index], index)
         return body
 
-    def _echo_logprobs(self, echo: Echo, logprobs: Sequence[pb.TokenLogprob]) -> dict:
+    def _echo_logprobs(self, echo: Echo, logprobs: Sequence[pb.TokenLogprob], index: int) -> dict:
         head = self._text_of(echo.token_ids[0])
-        self._offsets[0] = len(head)
-        rest = self._logprobs([*(echo.scored or ()), *logprobs]) or {
+        self._offsets[index] = len(head)
+        rest = self._logprobs([*(echo.scored or ()), *logprobs], index) or {
             key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
         }
         return {

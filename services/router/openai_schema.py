@@ -144,8 +144,6 @@ def parse_completion(body: object, model_name: str) -> OpenAIRequest:
     fields = _object(body, COMPLETION_FIELDS, model_name, NEUTRAL_VALUES)
     common = _common(fields)
     common["echo"] = _echo(fields, common["stream"])
-    if common["echo"] and common["sampling"].get("n", 1) > 1:
-        raise BadRequest("echo is served with one completion: send n: 1", "echo")
     if "top_logprobs" in fields and not (
         _is_int(fields["top_logprobs"]) and fields["top_logprobs"] == 0
     ):
