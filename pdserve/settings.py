@@ -191,10 +191,10 @@ class DecodeSettings:
     max_pool_share_per_client: float = setting(
         0.9,
         "share of the pool's blocks that one client's requests (an API key at the router, "
-        "else an address) may hold together, waiting for KV or decoding; beyond it that client "
-        "waits for room (RESOURCE_EXHAUSTED to the router, which queues it) while the rest is "
-        "left for other clients, so that one client's burst cannot make another wait for its "
-        "streams to end. 1: no share kept back",
+        "else an address) may hold together, waiting for KV, decoding, or prefilled on this "
+        "instance; beyond it that client waits for room (RESOURCE_EXHAUSTED to the router, "
+        "which queues it) while the rest is left for other clients, so that one client's burst "
+        "cannot make another wait for its streams to end. 1: no share kept back",
     )
     max_kv_streams: int = setting(
         0,

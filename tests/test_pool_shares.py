@@ -18,7 +18,7 @@ BLOCKS = 64  # of 16 tokens
 BIG = 240  # output tokens: with a 16-token prompt, 16 blocks, a quarter of the pool
 
 
-def _decode(tmp_path, share: str, pending_share: str = "1"):
+def _decode(tmp_path, share: str, pending_share: str = "1", faults: str = ""):
     return start_service(
         "decode",
         "--torch-threads",
@@ -32,6 +32,7 @@ def _decode(tmp_path, share: str, pending_share: str = "1"):
         "--max-pool-share-per-client",
         share,
         tmp_dir=str(tmp_path),
+        faults=faults,
     )
 
 
@@ -75,7 +76,7 @@ def test_one_clients_pending_leases_leave_another_its_part_of_the_callers_share(
         decode.stop(signal.SIGKILL)
 
 
-def _reserve(stub, client: str, name: str, max_tokens: int):
+def _reserve(stub, client: str, name: str, max_tokens: int, prefill_here: bool = False):
     """The reservation call (kept open: closing it frees the lease) and its first answer."""
     call = stub.Decode(
         pb.DecodeRequest(
@@ -84,6 +85,7 @@ def _reserve(stub, client: str, name: str, max_tokens: int):
             sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             model_fingerprint=MODEL,
             client=client,
+            prefill_here=prefill_here,
         ),
         timeout=30,
     )
@@ -127,6 +129,32 @@ def test_one_clients_burst_leaves_room_for_another(tmp_path, share, a_leases, b_
                 10,
                 "every block back",
             )
+    finally:
+        decode.stop(signal.SIGKILL)
+
+
+def test_prompts_prefilled_on_decode_count_in_their_clients_share(tmp_path):
+    """As the leases above, for prompts that decode prefills itself (the router's
+    --local-prefill-tokens): A's 16-block local requests, each decoding slowly (a 0.05 s step,
+    so 240 tokens hold their room for 12 s), stop at 3 of 4 quarter-pool reservations at 0.9,
+    and B's request is granted at once. Uncounted, A took the whole pool and B was refused."""
+    decode = _decode(tmp_path, "0.9", faults="decode_step_seconds=0.05")
+    calls: list = []
+    try:
+        with grpc.insecure_channel(decode.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            answers = []
+            for i in range(4):
+                call, answer = _reserve(stub, "a", f"a{i}", BIG, prefill_here=True)
+                calls.append(call)
+                answers.append(answer)
+            assert [isinstance(a, pb.DecodeResponse) for a in answers] == [True] * 3 + [False]
+            assert answers[3].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-pool-share-per-client 0.9" in answers[3].details()
+            call, answer = _reserve(stub, "b", "b0", 8, prefill_here=True)
+            calls.append(call)
+            assert isinstance(answer, pb.DecodeResponse), answer
+            _cancel_and_settle(stub, calls)
     finally:
         decode.stop(signal.SIGKILL)
 

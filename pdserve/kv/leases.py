@@ -79,6 +79,20 @@ class LeaseTable:
     def __init__(self, pool: BlockPool, config: ModelConfig) -> None:
         self.pool, self.config = pool, config
         self._leases: dict[str, Lease] = {}
+        # Reservations for prompts prefilled on this instance (no lease, no KV to wait for):
+        # (client, table, blocks reserved), counted in their client's pool share.
+        self._local: list[tuple[str, BlockTable, int]] = []
+
+    def reserve_local(self, spec: GenerateSpec, client_share: float) -> BlockTable:
+        """Room for a prompt prefilled here, within its client's pool share as a lease's is.
+        Raises ClientLimit over that share, PoolExhausted (or NeverFits) without room."""
+        wanted = self.pool.blocks_wanted(spec)
+        refusal = self._over_client_share(spec.client, wanted, client_share)
+        if refusal:
+            raise ClientLimit(refusal)
+        table = self.pool.reserve_for(spec)
+        self._local.append((spec.client, table, wanted))
+        return table
 
     def grant(self, spec: GenerateSpec, limits: LeaseLimits, sink: Sink, caller: str = "") -> Lease:
         """Reserves room for the whole request. Raises PoolExhausted when there is none, and
@@ -171,7 +185,7 @@ class LeaseTable:
         client's first lease is let in whatever its size, as for the pending share."""
         if client_share >= 1:
             return ""  # the pool itself decides
-        held = sum(lease.reserved_blocks for lease in self._by_client(client))
+        held = self._held_by(client)
         cap = int(client_share * self.pool.num_blocks)
         if not held or held + wanted <= cap:
             return ""
@@ -181,14 +195,17 @@ class LeaseTable:
             f"(--max-pool-share-per-client {client_share:g})"
         )
 
-    def _by_client(self, client: str) -> list[Lease]:
-        """`client`'s leases that still hold blocks (a finished sequence's lease is forgotten
-        only once its stream has ended, after its blocks went back)."""
-        return [
-            lease
+    def _held_by(self, client: str) -> int:
+        """The blocks reserved for `client`'s leases and local prefills that still hold them (a
+        finished sequence's lease is forgotten only once its stream has ended, after its blocks
+        went back; a local reservation is dropped here once released)."""
+        self._local = [local for local in self._local if not local[1].released]
+        leases = sum(
+            lease.reserved_blocks
             for lease in self._leases.values()
             if lease.spec.client == client and not lease.table.released
-        ]
+        )
+        return leases + sum(wanted for owner, _, wanted in self._local if owner == client)
 
     def for_push(self, lease_id: str) -> Lease:
         """The lease a KV chunk or commit names, if it may still receive KV."""

@@ -137,7 +137,7 @@ class DecodeServicer:
         router's reservation line handles PoolExhausted as for a lease), the answer says so
         with a LeaseGranted that has no lease id, and the tokens follow."""
         events, sink = emission_queue()
-        table = self.engine.pool.reserve_for(spec)
+        table = self.leases.reserve_local(spec, self.settings.max_pool_share_per_client)
         self._looked_up(spec, table)
         handle = Handle(spec, table, sink)
         try:
