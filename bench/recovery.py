@@ -11,6 +11,9 @@ output tokens, greedy). Each event, repeated --repeats times, with the load runn
   kill-decode    decode 0 SIGKILLed mid-stream, restarted on its port 1 s later
   stop-decode    decode 0 SIGSTOPped (it keeps its connections and reads nothing) for
                  --stop-seconds, then SIGCONTed
+  nothing        the control: nothing happens, measured the same way. Its "throughput back"
+                 is how long the 1 s windows take to land within 10% of the level twice
+                 running on their own, the floor under every other event's figure
 
 Before each event the stack settles (every decode answering, the clients' rate steady), then
 its level is taken over BEFORE_SECONDS. Per event and repeat, measured from the event (for the
@@ -29,7 +32,7 @@ Then p50 and p99 over the repeats, and at the end every block free within one le
 
 Goal (the reliability issue): every block free within one lease TTL, throughput back within 5 s.
 
-  .venv/bin/python bench/recovery.py                    # ~6 minutes on 2 vCPUs
+  .venv/bin/python bench/recovery.py --repeats 5        # ~12 minutes on 2 vCPUs
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
-EVENTS = ("cancel-storm", "kill-prefill", "kill-decode", "stop-decode")
+EVENTS = ("cancel-storm", "kill-prefill", "kill-decode", "stop-decode", "nothing")
 BEFORE_SECONDS = 5.0  # the level an event is compared with
 WATCH_SECONDS = 30.0  # the longest a recovery is waited for
 LEASE_TTL_SECONDS = 30.0  # decode's default --lease-ttl-seconds
@@ -159,6 +162,8 @@ def cancel_storm(stack: Stack, count: int, rng: random.Random) -> None:
 
 def cause(stack: Stack, event: str, args, rng: random.Random) -> float:
     """Makes the event happen; returns when it happened (time.monotonic)."""
+    if event == "nothing":
+        return time.monotonic()
     if event == "cancel-storm":
         cancel_storm(stack, args.storm, rng)
         return time.monotonic()
