@@ -16,7 +16,8 @@ from procs import Stack, free_port, start_router, start_stack, wait_until
 from test_metrics import scrape
 from pdserve.core.block_pool import BlockPool, NeverFits
 from pdserve.core.request import GenerateSpec, SamplingSpec
-from pdserve.kv.leases import ClientLimit, LeaseLimits, LeaseTable
+from pdserve.core.client_shares import ClientLimit
+from pdserve.kv.leases import LeaseLimits, LeaseTable
 from pdserve.models.loading import load_served_model
 from pdserve.services.router.merged import merged
 from pdserve.v1 import pdserve_pb2 as pb

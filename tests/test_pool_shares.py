@@ -2,13 +2,17 @@
 client's request finds room at once instead of waiting for the first one's streams to end. Over
 real gRPC to a decode instance, the clients named as the router names them."""
 
+import http.client
+import json
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from procs import Stack, free_port, greedy_request, router_queue_depth, start_router
 from procs import start_service, wait_until
+from test_metrics import scrape
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -205,3 +209,58 @@ def test_a_client_refused_its_share_does_not_hold_another_clients_request(tmp_pa
             stream.cancel()
         wait_until(stack.pools_settled, 30, "the decode pool to be whole again")
         stack.stop()
+
+
+def _completion(port: int, source: str, max_tokens: int, stream: bool):
+    """An HTTP completion of a 16-token prompt sent from `source` (the client colocated tells
+    apart by address); returns the connection and its response once the headers came (for a
+    stream: once its first token was generated)."""
+    connection = http.client.HTTPConnection(
+        "127.0.0.1", port, timeout=60, source_address=(source, 0)
+    )
+    body = {"model": "tinygpt", "prompt": "x" * 16, "max_tokens": max_tokens, "stream": stream}
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body | {"ignore_eos": True}),
+        {"Content-Type": "application/json"},
+    )
+    return connection, connection.getresponse()
+
+
+def test_colocated_keeps_room_for_another_client(tmp_path):
+    """The colocated engine counts its clients' shares too. A (127.0.0.1) opens four streams
+    of a quarter of the 512-block pool each: three start, the fourth waits for room (0.9 of the
+    pool is 460 blocks), and B's request (127.0.0.2) is served meanwhile. Without the share,
+    A's fourth started at once and B waited for one of A's streams to end."""
+    http_port, metrics_port = free_port(), free_port()
+    colocated = start_service(
+        "colocated",
+        *("--torch-threads", "1", "--num-blocks", "512", "--prefix-cache", "false"),
+        *("--http-port", str(http_port), "--metrics-port", str(metrics_port)),
+        tmp_dir=str(tmp_path),
+    )
+    opened: list = []
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            # 16 + 2032 tokens: 128 blocks each, thousands of steps.
+            streams = [
+                pool.submit(_completion, http_port, "127.0.0.1", 2032, True) for _ in range(4)
+            ]
+            wait_until(lambda: sum(s.done() for s in streams) >= 3, 30, "A's first three streams")
+            started = [s.result() for s in streams if s.done()]
+            opened += [connection for connection, _ in started]
+            assert len(started) == 3 and all(r.status == 200 for _, r in started)
+            connection, response = _completion(http_port, "127.0.0.2", 4, False)
+            opened.append(connection)
+            assert response.status == 200, response.read()
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+            (waiting,) = [s for s in streams if not s.done()]  # still without room
+            for connection in opened:
+                connection.close()  # A's streams end: the fourth gets its room and starts
+            fourth, _ = waiting.result(timeout=60)
+            fourth.close()
+        free = 'pdserve_kv_blocks_free{service="colocated"}'
+        wait_until(lambda: scrape(metrics_port)[free] == 512, 30, "every block back")
+    finally:
+        colocated.stop(signal.SIGKILL)

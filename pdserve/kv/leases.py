@@ -14,6 +14,7 @@ from enum import Enum
 
 from pdserve.core.shown import shown
 from pdserve.core.block_pool import BlockPool, BlockTable, PoolExhausted
+from pdserve.core.client_shares import ClientShares
 from pdserve.core.config import ModelConfig
 from pdserve.kv.wire import KvAssembly, KvRejected
 from pdserve.core.request import GenerateSpec
@@ -26,10 +27,6 @@ class LeaseRejected(KvRejected):
 
 class PendingLimit(PoolExhausted):
     """Leases still waiting for their KV already hold the share of the pool they may hold."""
-
-
-class ClientLimit(PoolExhausted):
-    """One client's leases already hold the share of the pool one client may hold."""
 
 
 @dataclass(frozen=True)
@@ -79,36 +76,28 @@ class LeaseTable:
     def __init__(self, pool: BlockPool, config: ModelConfig) -> None:
         self.pool, self.config = pool, config
         self._leases: dict[str, Lease] = {}
-        # Reservations for prompts prefilled on this instance (no lease, no KV to wait for):
-        # (client, table, blocks reserved), counted in their client's pool share.
-        self._local: list[tuple[str, BlockTable, int]] = []
+        # Every reservation's blocks by client, leases and prompts prefilled here alike.
+        self.client_shares = ClientShares(pool.num_blocks)
 
     def reserve_local(self, spec: GenerateSpec, client_share: float) -> BlockTable:
-        """Room for a prompt prefilled here, within its client's pool share as a lease's is.
-        Raises ClientLimit over that share, PoolExhausted (or NeverFits) without room."""
-        wanted = self.pool.blocks_wanted(spec)
-        refusal = self._over_client_share(spec.client, wanted, client_share)
-        if refusal:
-            raise ClientLimit(refusal)
-        table = self.pool.reserve_for(spec)
-        self._local.append((spec.client, table, wanted))
-        return table
+        """Room for a prompt prefilled here (no lease, no KV to wait for), within its client's
+        pool share as a lease's is. Raises ClientLimit over that share, PoolExhausted (or
+        NeverFits) without room."""
+        return self.client_shares.reserve(self.pool, spec, client_share)
 
     def grant(self, spec: GenerateSpec, limits: LeaseLimits, sink: Sink, caller: str = "") -> Lease:
-        """Reserves room for the whole request. Raises PoolExhausted when there is none, and
+        """Reserves room for the whole request. Raises PoolExhausted when there is none,
         PendingLimit when the caller's leases without KV would hold more than its share: a
         caller that reserves and never sends KV cannot take every block, nor lock out the
-        others' reservations (see _over_share)."""
+        others' reservations (see _over_share); and ClientLimit over the client's pool share
+        (core/client_shares.py)."""
         wanted = self.pool.blocks_wanted(spec)
         refusal = self._over_share(caller, wanted, limits.pending_share)
         if refusal and not self._under_client_part(caller, spec.client, wanted, limits):
             raise PendingLimit(refusal)
-        refusal = self._over_client_share(spec.client, wanted, limits.client_share)
-        if refusal:
-            raise ClientLimit(refusal)
         # With a prefix cache, the table starts with the prompt's longest cached prefix (its KV
         # is not sent again), and its blocks may stay cached once the KV is in.
-        table = self.pool.reserve_for(spec)
+        table = self.client_shares.reserve(self.pool, spec, limits.client_share)
         now = time.monotonic()
         lease = Lease(
             secrets.token_hex(16),
@@ -174,38 +163,6 @@ class LeaseTable:
         held = sum(lease.reserved_blocks for lease in pending if lease.spec.client == client)
         share, _ = self._caller_share(caller, limits.pending_share)
         return held + wanted <= share // len(clients)
-
-    def _over_client_share(self, client: str, wanted: int, client_share: float) -> str:
-        """Why `client` may not reserve `wanted` more blocks now, or "" when it may.
-
-        One client's leases, waiting for KV or decoding, may hold at most --max-pool-share-per-
-        client of the pool. What is left over is room that another client's request finds at
-        once: without it, a burst that fills the pool makes the next client wait for the
-        burst's first stream to end, however short its own request (bench/fairness.py). A
-        client's first lease is let in whatever its size, as for the pending share."""
-        if client_share >= 1:
-            return ""  # the pool itself decides
-        held = self._held_by(client)
-        cap = int(client_share * self.pool.num_blocks)
-        if not held or held + wanted <= cap:
-            return ""
-        return (
-            f"KV pool full for this client: its leases hold {held} of {self.pool.num_blocks} "
-            f"blocks; this one needs {wanted}, over one client's share of {cap} "
-            f"(--max-pool-share-per-client {client_share:g})"
-        )
-
-    def _held_by(self, client: str) -> int:
-        """The blocks reserved for `client`'s leases and local prefills that still hold them (a
-        finished sequence's lease is forgotten only once its stream has ended, after its blocks
-        went back; a local reservation is dropped here once released)."""
-        self._local = [local for local in self._local if not local[1].released]
-        leases = sum(
-            lease.reserved_blocks
-            for lease in self._leases.values()
-            if lease.spec.client == client and not lease.table.released
-        )
-        return leases + sum(wanted for owner, _, wanted in self._local if owner == client)
 
     def for_push(self, lease_id: str) -> Lease:
         """The lease a KV chunk or commit names, if it may still receive KV."""

@@ -10,6 +10,7 @@ Prefill writes its KV straight into the paged cache, the in-process equivalent o
 
 from pdserve import metrics
 from pdserve.core.block_pool import BlockPool
+from pdserve.core.client_shares import ClientShares
 from pdserve.engine.chunked_prefill import ChunkedPrefill, Handle
 from pdserve.engine.decode_scheduler import DecodeScheduler
 from pdserve.engine.engine_loop import EngineLoop
@@ -28,6 +29,8 @@ class ColocatedEngine:
         d, p = settings.decode, settings.prefill
         self.model = served.built
         self.pool = BlockPool(d.num_blocks, d.block_size)
+        self.client_shares = ClientShares(d.num_blocks)  # --max-pool-share-per-client
+        self.client_share = d.max_pool_share_per_client
         self.cache = PagedCache(served.config, d.num_blocks, d.block_size)
         ending = served.tokenizer.eos_token_ids
         self.prefill = PrefillScheduler(self.model, p.max_batch_size, p.max_batch_tokens, ending)
@@ -69,8 +72,10 @@ class ColocatedEngine:
             metrics.STEP_SECONDS.labels("colocated", "decode").observe(stats.seconds)
 
     def submit(self, spec: GenerateSpec, sink: Sink) -> Handle:
-        """Reserves room (PoolExhausted when there is none) and queues the prompt."""
-        handle = Handle(spec, self.pool.reserve_for(spec), sink)
+        """Reserves room within the client's share (PoolExhausted, ClientLimit among them,
+        when there is none) and queues the prompt. From one thread only (the event loop's)."""
+        table = self.client_shares.reserve(self.pool, spec, self.client_share)
+        handle = Handle(spec, table, sink)
         if self.chunk_tokens:
             self.chunked.add(handle)
         else:

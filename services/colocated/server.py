@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -17,6 +18,7 @@ from pdserve.engine.sequence import FinishReason
 from pdserve.models.loading import ServedModel
 from pdserve.rpc import convert, model_info
 from pdserve.rpc.errors import ServiceError
+from pdserve.rpc.tls import peer_host
 from pdserve.rpc.server import (
     Admission,
     Server,
@@ -49,7 +51,7 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
         responses = self.generate(
             lambda: convert.spec_from_generate(request, tokenizer, self.config.max_context),
             None,
-            "",
+            peer_host(context.peer()),  # as the router names a caller without an API key
         )
         async with contextlib.aclosing(responses):
             async for response in responses:
@@ -66,7 +68,8 @@ class ColocatedServicer(pb_grpc.RouterServiceServicer):
         `generate`, so http_api serves both. Raises what pdserve.rpc.errors maps to a status."""
         self.admission.refuse_if_draining()
         with self.admission.track():
-            async for response in self._run(make_spec()):
+            # The client takes turns in the batch and holds at most its share of the pool.
+            async for response in self._run(dataclasses.replace(make_spec(), client=client)):
                 yield response
 
     async def prompt_logprobs(
