@@ -13,6 +13,9 @@ import pytest
 from procs import Stack, free_port, greedy_request, router_queue_depth, start_router
 from procs import start_service, wait_until
 from test_metrics import scrape
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.client_shares import ClientShares
+from pdserve.core.request import GenerateSpec, SamplingSpec
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -20,6 +23,18 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 MODEL = load_served_model("tinygpt", weights=False).fingerprint
 BLOCKS = 64  # of 16 tokens
 BIG = 240  # output tokens: with a 16-token prompt, 16 blocks, a quarter of the pool
+
+
+def test_client_shares_remember_only_tables_not_yet_released():
+    """With no share kept back (1) the count is never asked for; released reservations must
+    still be forgotten, or a long-running service keeps every table it ever reserved."""
+    pool = BlockPool(64, 16)
+    shares = ClientShares(64)
+    spec = GenerateSpec("r", tuple(range(1, 17)), SamplingSpec(max_tokens=16, ignore_eos=True))
+    for _ in range(100):
+        shares.reserve(pool, spec, 1.0).release()
+    assert shares.tracked <= 1
+    assert pool.available_blocks == 64
 
 
 def _decode(tmp_path, share: str, pending_share: str = "1", faults: str = ""):

@@ -53,10 +53,19 @@ class ClientShares:
         if refusal:
             raise ClientLimit(refusal)
         table = pool.reserve_for(spec)
+        self._forget_released()  # whatever the share, so the list holds live tables only
         self._held.append(Reservation(spec.client, table, wanted))
         return table
 
     def held_by(self, client: str) -> int:
         """The blocks reserved for `client` by tables not yet released."""
-        self._held = [r for r in self._held if not r.table.released]
+        self._forget_released()
         return sum(r.blocks for r in self._held if r.client == client)
+
+    @property
+    def tracked(self) -> int:
+        """Reservations remembered now (live ones, and any released since the last call)."""
+        return len(self._held)
+
+    def _forget_released(self) -> None:
+        self._held = [r for r in self._held if not r.table.released]
