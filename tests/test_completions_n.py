@@ -237,6 +237,58 @@ def test_n_echoes_of_no_tokens_are_the_prompt_counted_once(served):
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(PROMPT), 0)
 
 
+def streamed_choices(url: str, **fields) -> tuple[list[dict], list]:
+    """A streamed reply put back together by completion: each one's text, finish reason and
+    logprob lists; and the chunks, the usage chunk last."""
+    chunks = list(completions(url, stream=True, stream_options={"include_usage": True}, **fields))
+    merged: dict[int, dict] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        entry = merged.setdefault(choice.index, {"text": "", "finish": None, "logprobs": {}})
+        entry["text"] += choice.text
+        entry["finish"] = choice.finish_reason or entry["finish"]
+        for key, values in (choice.logprobs.model_dump() if choice.logprobs else {}).items():
+            entry["logprobs"].setdefault(key, []).extend(values)
+    return [merged[i] for i in sorted(merged)], chunks
+
+
+def test_a_streamed_echo_is_the_whole_echo_in_chunks(served):
+    """stream with echo and n: each completion's first chunk is the prompt with its scored
+    logprobs; put together, each completion equals the non-streamed echo's, offsets included."""
+    stack, ports, _ = served
+    url = stack.router.http_url
+    whole = completions(url, n=2, echo=True, logprobs=1)
+    before = handoffs(ports)
+    streamed, chunks = streamed_choices(url, n=2, echo=True, logprobs=1)
+    assert handoffs(ports)[1] - before[1] == 1
+    heads = [c.choices[0] for c in chunks[:2]]
+    assert [(h.index, h.text) for h in heads] == [(0, PROMPT), (1, PROMPT)]
+    assert len(heads[1].logprobs.tokens) == len(PROMPT.encode())  # the prompt's, no more
+    for expected, got in zip(whole.choices, streamed, strict=True):
+        assert got["text"] == expected.text and got["finish"] == expected.finish_reason
+        lists, want = got["logprobs"], expected.logprobs
+        assert lists["tokens"] == want.tokens and lists["text_offset"] == want.text_offset
+        assert lists["token_logprobs"][0] is None
+        assert lists["token_logprobs"][1:] == pytest.approx(want.token_logprobs[1:], abs=1e-4)
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_streamed_echo_of_no_tokens_is_the_prompt_then_its_end(served):
+    stack, ports, _ = served
+    before = handoffs(ports)
+    streamed, chunks = streamed_choices(stack.router.http_url, n=2, echo=True, max_tokens=0)
+    assert handoffs(ports) == before  # nothing generated: no prefill call, no handoff
+    assert [(c["text"], c["finish"], c["logprobs"]) for c in streamed] == [
+        (PROMPT, "length", {}),
+        (PROMPT, "length", {}),
+    ]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        len(PROMPT),
+        0,
+    )
+
+
 def test_streamed_n_completions_interleave_by_index(served):
     stack, _, _ = served
     url = stack.router.http_url

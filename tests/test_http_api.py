@@ -337,7 +337,6 @@ BAD_INPUT = {
     "not an object": (b"[1, 2]", JSON, 400, "JSON object", None),
     "unknown field": (body(tools=[]), JSON, 400, "'tools'", "tools"),
     "logprobs over 20": (body(logprobs=21), JSON, 400, "[0, 20]", "logprobs"),
-    "echo while streaming": (body(echo=True, stream=True), JSON, 400, "without streaming", "echo"),
     "repetition penalty 0": (body(repetition_penalty=0), JSON, 400, "must be > 0", None),
     "frequency penalty out of range": (body(frequency_penalty=3), JSON, 400, "[-2, 2]", None),
     "min_tokens over max_tokens": (body(min_tokens=3), JSON, 400, "min_tokens", None),

@@ -26,6 +26,7 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
@@ -177,7 +178,7 @@ class HttpApi:
 
         if parsed.echo:
             spec = await asyncio.to_thread(make_spec)  # tokenizing: off the event loop
-            return await self._echoed(parsed, reply, spec, request[CLIENT])
+            return await self._echoed(request, parsed, reply, spec)
         # No client deadline over HTTP: --request-timeout-seconds bounds the request.
         responses = self.router.generate(make_spec, None, request[CLIENT])
         async with contextlib.aclosing(responses):
@@ -186,23 +187,27 @@ class HttpApi:
             return await _whole(reply, responses)
 
     async def _echoed(
-        self, parsed: OpenAIRequest, reply: fmt.Reply, spec: GenerateSpec, client: str
-    ) -> web.Response:
+        self, request: web.Request, parsed: OpenAIRequest, reply: fmt.Reply, spec: GenerateSpec
+    ) -> web.StreamResponse:
         """Completions that start with their prompt: the prompt's own logprobs when asked for
         (scored once, by a prefill, for every completion), then what each one generated, if
-        max_tokens asked for any."""
+        max_tokens asked for any. Streamed, each completion's first chunk is its prompt."""
         validate(spec, self.served.config)  # before anything runs, even when nothing is asked
+        client = request[CLIENT]
         scored = None
         if spec.sampling.logprobs:
             top = spec.sampling.top_logprobs
             scored = await self.router.prompt_logprobs(lambda: spec, top, client)
+        echo = fmt.Echo(self._prompt_text(parsed, spec), spec.prompt_token_ids, scored)
         if parsed.generates:
             responses = self.router.generate(lambda: spec, None, client)
-            async with contextlib.aclosing(responses):
-                completions = await _collected(responses)
         else:
-            completions = [_nothing_generated(spec, index) for index in range(spec.sampling.n)]
-        echo = fmt.Echo(self._prompt_text(parsed, spec), spec.prompt_token_ids, scored)
+            responses = _nothing_generated(spec)
+        async with contextlib.aclosing(responses):
+            if parsed.stream:
+                heads = [reply.echo_chunk(echo, index) for index in range(spec.sampling.n)]
+                return await _stream(request, reply, responses, parsed.include_usage, heads)
+            completions = await _collected(responses)
         return web.json_response(reply.echoed(echo, completions), dumps=_dumps)
 
     def _prompt_text(self, parsed: OpenAIRequest, spec: GenerateSpec) -> str:
@@ -358,14 +363,15 @@ async def _whole(reply: fmt.Reply, responses: AsyncIterator[pb.GenerateResponse]
     return web.json_response(reply.whole(await _collected(responses)), dumps=_dumps)
 
 
-def _nothing_generated(spec: GenerateSpec, index: int) -> fmt.Completion:
-    """Completion `index` of an echo of max_tokens 0: no text, the prompt in its usage."""
-    last = pb.GenerateResponse(
-        finish_reason=pb.FINISH_REASON_LENGTH,
-        usage=pb.Usage(prompt_tokens=spec.prompt_len),
-        index=index,
-    )
-    return fmt.Completion("", last)
+async def _nothing_generated(spec: GenerateSpec) -> AsyncGenerator[pb.GenerateResponse, None]:
+    """The last responses of an echo of max_tokens 0, one per completion: no text, the prompt
+    in the usage."""
+    for index in range(spec.sampling.n):
+        yield pb.GenerateResponse(
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            usage=pb.Usage(prompt_tokens=spec.prompt_len),
+            index=index,
+        )
 
 
 async def _collected(responses: AsyncIterator[pb.GenerateResponse]) -> list[fmt.Completion]:
@@ -386,13 +392,17 @@ async def _stream(
     reply: fmt.Reply,
     responses: AsyncIterator[pb.GenerateResponse],
     include_usage: bool,
+    heads: Sequence[dict] = (),
 ) -> web.StreamResponse:
+    """The reply as server-sent events: `heads` (an echo's prompts) first, then the responses'."""
     first = await anext(responses)  # before the headers: a refusal still gets its status
     stream = web.StreamResponse(
         headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
     await stream.prepare(request)
     try:
+        for head in heads:
+            await _send(stream, head)
         await _events(stream, reply, first, responses, include_usage)
     except ConnectionError:  # the client left: no one to tell
         raise

@@ -32,6 +32,7 @@ _QUOTED = re.compile(r"""'[^'\\\n]*(?:\\.[^'\\\n]*)*'|"[^"\\\n]*(?:\\.[^"\\\n]*)
 # What vLLM reports for a log-probability of -infinity (a token that could not be drawn), which
 # JSON cannot carry.
 IMPOSSIBLE_LOGPROB = -9999.0
+_GOING_ON = {"finish_reason": None}  # a stream chunk's choice before its completion's last
 OBJECTS = {
     "chat": ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
     "completion": ("text_completion", "text_completion", "cmpl-"),
@@ -175,6 +176,12 @@ class Reply:
             "text_offset": [0, *rest["text_offset"]],
         }
 
+    def echo_chunk(self, echo: Echo, index: int) -> dict:
+        """A streamed echo's first chunk of completion `index`: the prompt, with its logprobs
+        when asked for; the completion's own tokens follow, their offsets after the prompt's."""
+        logprobs = self._echo_logprobs(echo, (), index) if echo.scored is not None else None
+        return self._chunk({"index": index, "text": echo.text, "logprobs": logprobs} | _GOING_ON)
+
     def token_chunk(self, response: pb.GenerateResponse, first: bool) -> dict:
         """A stream chunk with one token's text, of completion `response.index`; a chat's first
         chunk of each completion also says who speaks."""
@@ -185,7 +192,7 @@ class Reply:
         else:
             choice = {"index": index, "text": text}
         logprobs_part = {"logprobs": self._logprobs(response.logprobs, index)}
-        return self._chunk(choice | logprobs_part | {"finish_reason": None})
+        return self._chunk(choice | logprobs_part | _GOING_ON)
 
     def finish_chunk(self, last: pb.GenerateResponse) -> dict:
         """A completion's last choice chunk: its finish reason. The last completion's also

@@ -143,7 +143,7 @@ def parse_completion(body: object, model_name: str) -> OpenAIRequest:
     """POST /v1/completions. Raises BadRequest naming the first field that is wrong."""
     fields = _object(body, COMPLETION_FIELDS, model_name, NEUTRAL_VALUES)
     common = _common(fields)
-    common["echo"] = _echo(fields, common["stream"])
+    common["echo"] = _boolean(fields, "echo") or False
     if "top_logprobs" in fields and not (
         _is_int(fields["top_logprobs"]) and fields["top_logprobs"] == 0
     ):
@@ -161,13 +161,6 @@ def parse_completion(body: object, model_name: str) -> OpenAIRequest:
         max_tokens=_max_tokens(fields, "max_tokens"),
         **common,
     )
-
-
-def _echo(fields: dict, stream: bool) -> bool:
-    echo = _boolean(fields, "echo") or False
-    if echo and stream:
-        raise BadRequest("echo is served without streaming; send stream: false", "echo")
-    return echo
 
 
 def _chat_logprobs(fields: dict) -> dict:
