@@ -286,8 +286,9 @@ class PrefillSettings:
     decode_allow: list[str] = setting(
         [],
         "decode instances this prefill may send KV to, host:port (a name counts for every "
-        "address it resolves to, as the router's --decode); empty: loopback addresses only. A "
-        "Prefill call naming any other address is refused before a connection is tried",
+        "address it resolves to, as the router's --decode); empty: loopback addresses that "
+        "answer as a decode (asked before anything of the request is sent). A Prefill call "
+        "naming any other address is refused before a connection is tried",
     )
     max_concurrent_prefills: int = setting(
         64, "Prefill calls in progress at once; more get RESOURCE_EXHAUSTED"

@@ -3,13 +3,14 @@
 import contextlib
 import select
 import socket
+import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
 
-from procs import start_service, wait_until
+from procs import free_port, start_service, wait_until
 from pdserve.models.loading import load_served_model
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -159,6 +160,57 @@ def test_prefill_dials_only_the_decodes_it_allows(prefill_with):
         assert not select.select([listener], [], [], 0.5)[0], "prefill connected anyway"
     finally:
         listener.close()
+
+
+class _Recorder:
+    """A loopback TCP port that accepts connections and keeps every byte sent to it."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.received = bytearray()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self.listener.accept()
+                connection.settimeout(2)
+                with connection, contextlib.suppress(OSError):
+                    while chunk := connection.recv(65536):
+                        self.received += chunk
+
+    def close(self) -> None:
+        self.listener.close()
+        self._thread.join(5)
+
+
+def test_prefill_without_an_allow_list_sends_nothing_to_a_local_port_that_is_no_decode(
+    prefill_with,
+):
+    """Without --decode-allow, a loopback address must answer as a decode before it gets any of
+    the request: a port with nothing on it, a plain TCP service and a gRPC service of another
+    kind get the same refusal, and the TCP service never sees the lease id."""
+    prefill = prefill_with()
+    recorder = _Recorder()
+    lease = "5ec7e7" * 5 + "ab"
+    targets = {"nothing": free_port(), "tcp": recorder.port, "grpc": prefill.port}
+    answers = {}
+    try:
+        with grpc.insecure_channel(prefill.address) as channel:
+            for kind, port in targets.items():
+                request = _request(10, port)
+                request.lease_id = lease
+                del request.data_endpoints[:]  # KV would go by DecodeService.PushKv
+                with pytest.raises(grpc.RpcError) as err:
+                    pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=20)
+                answers[kind] = (err.value.code(), err.value.details().replace(str(port), "P"))
+    finally:
+        recorder.close()
+    assert set(answers.values()) == {(grpc.StatusCode.UNAVAILABLE, answers["tcp"][1])}, answers
+    assert "did not answer as a pdserve decode" in answers["tcp"][1]
+    assert lease.encode() not in recorder.received
 
 
 def test_prefill_without_an_allow_list_dials_loopback_only(prefill_with):

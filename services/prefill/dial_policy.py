@@ -4,16 +4,20 @@ A Prefill call says where its KV goes: a decode instance's gRPC address and, opt
 lease's data endpoint. Whoever can call Prefill could name any host and port there, and use
 prefill to reach services it cannot reach itself. So:
 
-- the decode address must be one of --decode-allow (names resolved again every second), or on
-  loopback when there is no list;
+- the decode address must be one of --decode-allow (names resolved again every second), or, when
+  there is no list, on loopback and answering as a decode: prefill asks it which data planes it
+  offers (below) before anything of the request is sent there, so a local port that is not a
+  pdserve decode never receives a lease id or KV, and every such port gets the same answer;
 - a data endpoint's host must be empty or that decode address's own host, and its port one that
   this decode instance itself offers. Prefill asks it (DecodeService.GetDataEndpoints, over the
   gRPC channel to the address just allowed, and with mTLS verified as the decode role) and keeps
   the answer for a while. The data plane's port cannot simply be allow-listed: decode picks a free
   one by default.
 
-Each refusal follows from the request, the list and the allowed decode's own answer. No address
-is tried to reach it, so it reads the same whatever listens there: no port-scan oracle.
+Each refusal follows from the request, the list and the allowed decode's own answer. With a
+list, no address is tried to reach it; without one, the only thing an unlisted loopback port
+receives is that one question, of fixed bytes, and every port that gives no decode's answer (none
+listening, another service, a service of another kind) gets the same refusal.
 """
 
 import asyncio
@@ -51,7 +55,27 @@ class DialPolicy:
         self._allowed_at = -math.inf
         self._offered: dict[str, tuple[float, set[tuple[str, int]]]] = {}
 
-    async def decode_refusal(self, address: str) -> str:
+    async def check_decode(self, address: str) -> None:
+        """Raises ServiceError unless this prefill may send KV to the decode at `address`:
+        PERMISSION_DENIED for an address the list (or, without one, loopback) does not admit;
+        UNAVAILABLE, the same whatever listens there, for an unlisted loopback address that does
+        not answer as a decode (a decode that is down answers so too, and the router retries)."""
+        refusal = await self._decode_refusal(address)
+        if refusal:
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        if self._decode_allow:
+            return
+        try:
+            await self._offers(address, recheck=False)
+        except KvTransferFailed:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode address {shown(address)} did not answer as a pdserve decode "
+                "(DecodeService.GetDataEndpoints); without --decode-allow, this prefill sends KV "
+                "only to a loopback address that does",
+            ) from None
+
+    async def _decode_refusal(self, address: str) -> str:
         """Why this prefill may not send KV to the decode at `address`, or ""."""
         if self._decode_allow:
             now = time.monotonic()

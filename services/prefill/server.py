@@ -184,9 +184,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"cached_tokens {request.cached_tokens} outside [0, {spec.prompt_len})",
             )
-        refusal = await self.dial.decode_refusal(request.decode_address)
-        if refusal:
-            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        await self.dial.check_decode(request.decode_address)
         try:
             sink = await self._open_sink(request, spec, await self._data_plane(request))
         except KvTransferFailed as exc:
