@@ -182,6 +182,9 @@ class _Recorder:
                         self.received += chunk
 
     def close(self) -> None:
+        # shutdown, not close alone: on Linux only shutdown wakes the thread blocked in accept.
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         self._thread.join(5)
 
