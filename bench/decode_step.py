@@ -9,7 +9,7 @@ What the step spends beyond the floor is per-op overhead, RoPE, norms and attent
 q4 runs on either kernel (q4:torch, q4:native; pdserve/kernels/native.py); each is its own floor.
 --step-ops torch native runs each format with torch's ops and with the fused native step ops
 (pdserve/kernels/step_ops.py) for the rest of the step, interleaved, and gives their ratio.
---layers whole ops runs the native q4 step with each layer in one native call
+--layers whole ops runs the native q4 step with all its layers in one native call
 (pdserve/kernels/decode_layer.cpp, what serving runs) and with its ops called one by one from
 Python, interleaved, and gives their ratio.
 --head served int8 runs each format with the output head it serves (Q8_0 on the native q4
@@ -130,7 +130,7 @@ def main() -> None:
         nargs="+",
         default=["whole"],
         choices=["whole", "ops"],
-        help="whole: a decode-only native q4 step runs each layer in one call; ops: op by op",
+        help="whole: a decode-only native q4 step runs its layers in one call; ops: op by op",
     )
     p.add_argument(
         "--head",

@@ -183,8 +183,8 @@ def test_a_served_step_on_either_ops_gives_the_same_greedy_tokens():
     assert tokens["native"] == tokens["torch"]
 
 
-def test_a_whole_layer_in_one_native_call_is_bit_identical_to_the_ops_one_by_one():
-    """decode_layer.cpp runs each layer of a decode-only q4 step in one call: the logits and
+def test_the_layers_in_one_native_call_are_bit_identical_to_the_ops_one_by_one():
+    """decode_layer.cpp runs every layer of a decode-only q4 step in one call: the logits and
     the K and V it writes are exactly those of llama.py's layer, op by op, at any batch; a step
     with a prompt chunk keeps to the ops one by one."""
     served = load_served_model("smollm2-135m-instruct", weight_format="q4", q4_kernel="native")
@@ -215,3 +215,47 @@ def test_a_whole_layer_in_one_native_call_is_bit_identical_to_the_ops_one_by_one
     cache = PagedCache(served.config, 64, 16)
     chunk = PromptChunk(tables[1], 0, 4)
     assert not cache.step_view(tables[:1], lengths[:1], [chunk]).decode_only
+
+
+def test_the_layers_call_refuses_operands_that_do_not_agree():
+    """Checked before the threads start, with a message naming what is wrong: a thread that
+    failed inside the region would leave the others waiting."""
+    served = load_served_model("smollm2-135m-instruct", weight_format="q4", q4_kernel="native")
+    model = served.built
+    pool = BlockPool(64, 16)
+    table = pool.reserve(4)
+    table.ensure(4)
+    cache = PagedCache(served.config, 64, 16)
+    view = cache.step_view([table], [3])
+    x = torch.zeros(1, served.config.d_model, dtype=cache.kv.dtype)
+    rotary = model.rotary(torch.tensor([3]))
+    norms, post_norms, qkv, o, gate_up, down = model._layer_operands
+    call = torch.ops.pdserve.decode_layers
+    common = (served.config.norm_eps,)
+    shape = (9, 3, 64, rotary.cos, rotary.sin_signed)
+    with pytest.raises(RuntimeError, match="one norm pair and four matrices per layer"):
+        call(
+            x, norms, post_norms, *common, qkv, o[:-1], gate_up, down, *shape, *view.step_operands()
+        )
+    with pytest.raises(RuntimeError, match="kv must be"):
+        operands = view.step_operands()
+        call(
+            x,
+            norms,
+            post_norms,
+            *common,
+            qkv,
+            o,
+            gate_up,
+            down,
+            *shape,
+            operands[0][:2],
+            *operands[1:],
+        )
+    with pytest.raises(RuntimeError, match="o must be Q4_1 blocks"):
+        call(x, norms, post_norms, *common, qkv, qkv, gate_up, down, *shape, *view.step_operands())
+    with pytest.raises(RuntimeError, match="heads must be a multiple of kv_heads"):
+        odd_heads = (8, 3, 64, rotary.cos, rotary.sin_signed)
+        call(
+            x, norms, post_norms, *common, qkv, o, gate_up, down, *odd_heads, *view.step_operands()
+        )

@@ -151,15 +151,15 @@ class DecodeStepKv:
     @property
     def decode_only(self) -> bool:
         """Every row is a decode that the native paged_decode attends: a model may then run
-        each whole layer natively, with layer_operands (pdserve/kernels/decode_layer.cpp)."""
+        all its layers natively, with step_operands (pdserve/kernels/decode_layer.cpp)."""
         return self._fused is not None and not self._chunks
 
-    def layer_operands(self, layer: int) -> tuple:
-        """What paged_decode takes for layer `layer` besides q, k and v."""
+    def step_operands(self) -> tuple:
+        """What decode_layers takes of the cache: all layers' K and V, and the step's slots,
+        blocks and lengths as paged_decode takes them."""
         f = self._fused
-        assert f is not None, "layer_operands of a step that is not decode_only"
-        kv = self._cache.kv
-        return (kv[layer, 0], kv[layer, 1], self._new, f.blocks, f.spans, f.block_size)
+        assert f is not None, "step_operands of a step that is not decode_only"
+        return (self._cache.kv, self._new, f.blocks, f.spans, f.block_size)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self._cache.kv[layer, 0], self._cache.kv[layer, 1]

@@ -1,78 +1,374 @@
-// One Llama decoder layer of a decode step in one call: the same ops, in the same order, that
-// llama.py's Layer runs between Python lines (rms_norm, the Q4_1 matrices, rotary_,
-// paged_decode, SiLU, the residual adds), so the result is bit for bit the same. At one sequence
-// the Python and dispatch between about fifteen calls per layer cost more than attention, the
-// norms and RoPE together; here they are C++ calls through the dispatcher.
+// Every Llama decoder layer of a decode step in one call and one parallel region: the same
+// arithmetic, in the same order, that llama.py's Layer runs between Python lines (rms_norm, the
+// Q4_1 matrices, rotary_, paged_decode, SiLU, the residual adds), so the result is bit for bit
+// the same.
+//
+// Why one region. At one sequence a layer is 4 matrices of 0.3-1.8 MB and a few small loops.
+// Run as ops, each matrix and the attention was its own parallel region, and the small ops
+// between them ATen calls: together they cost about as much as the matrices. Here the threads
+// that at::parallel_for starts stay for the whole step and meet at a spin barrier between
+// phases (as llama.cpp's threads do between the nodes of its graph), per layer:
+//   norm + quantise (rows) | qkv (output rows) | RoPE + K/V into the cache (rows) |
+//   attention (heads) | quantise (rows) | o (output rows) | residual + norm + quantise (rows) |
+//   gate_up (output rows) | SiLU * up + quantise (rows) | down (output rows) | residual (rows)
+// Every element is computed by one thread in an order that does not depend on the split, so the
+// number of threads changes nothing in the result.
+
+#include "blocks_avx2.h"
+#include "step_kernels.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <atomic>
+#include <thread>
+#include <utility>
 
 namespace {
 
-using Linear = at::Tensor(const at::Tensor&, const at::Tensor&);
-using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
-using Rotate = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&);
-using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
-                          at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          int64_t);
+using c10::BFloat16;
+using pdserve::blocks::Q4_1;
+using pdserve::blocks::kBlock;
+using pdserve::blocks::multiply_range;
+using pdserve::blocks::quantize_rows;
+using pdserve::step::narrow;
+using pdserve::step::PagedLayer;
+using pdserve::step::widen;
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+// The threads of one parallel region, meeting between phases. at::parallel_for(0, parts, 1)
+// usually calls the body once per part, each on its own thread; a smaller team (or a call from
+// inside another region, run inline) gives a call several parts. So every call joins with its
+// range of parts, and the barrier waits for calls, not parts.
+class Team {
+ public:
+  explicit Team(int64_t parts) : parts_(parts) {}
 
-// The library's own ops (blocks_avx2.cpp, step_ops.cpp), found once.
-struct Ops {
-  c10::TypedOperatorHandle<Linear> linear = op<Linear>("pdserve::q4_1_linear");
-  c10::TypedOperatorHandle<Norm> norm = op<Norm>("pdserve::rms_norm");
-  c10::TypedOperatorHandle<Rotate> rotate = op<Rotate>("pdserve::rotary_");
-  c10::TypedOperatorHandle<Attend> attend = op<Attend>("pdserve::paged_decode");
+  int64_t parts() const { return parts_; }
+
+  void join(int64_t first, int64_t last) {
+    members_.fetch_add(1);
+    covered_.fetch_add(last - first);
+    int spins = 0;
+    while (covered_.load() < parts_) relax(spins);
+  }
+
+  // Returns once every member has reached it; what each wrote before is then visible to all.
+  // `sense`: the member's own flag, flipped at each barrier.
+  void sync(bool& sense) {
+    sense = !sense;
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == members_.load()) {
+      arrived_.store(0, std::memory_order_relaxed);
+      released_.store(sense, std::memory_order_release);
+      return;
+    }
+    int spins = 0;
+    while (released_.load(std::memory_order_acquire) != sense) relax(spins);
+  }
+
+ private:
+  // Spins briefly (a phase lasts microseconds), then yields: on a busy machine the member being
+  // waited for may have lost its core, and spinning would keep it off.
+  static void relax(int& spins) {
+    if (++spins < 2048) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+
+  const int64_t parts_;
+  std::atomic<int64_t> members_{0}, covered_{0}, arrived_{0};
+  std::atomic<bool> released_{false};
 };
 
-const Ops& ops() {
-  static const Ops found;
-  return found;
+// Part `part` of `parts` of [0, total), its bounds multiples of `align` (but the last).
+std::pair<int64_t, int64_t> share(int64_t total, int64_t part, int64_t parts, int64_t align) {
+  const int64_t pieces = (total + align - 1) / align;
+  return {std::min(total, pieces * part / parts * align),
+          std::min(total, pieces * (part + 1) / parts * align)};
 }
 
-// x [rows, width]; the weights are Q4_1 block matrices; q, k, v stacked in qkv, gate and up in
-// gate_up. cos and sin_signed as rotary_ takes them; the caches, slots, blocks and lengths as
-// paged_decode takes them. Returns the layer's output [rows, width].
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv,
-                        const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down,
-                        int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
-                        const at::Tensor& sin_signed, at::Tensor key_cache,
-                        at::Tensor value_cache, const at::Tensor& new_slots,
-                        const at::Tensor& blocks, const at::Tensor& lengths,
-                        int64_t block_size) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer: x must be a dense [rows, width]");
-  const Ops& f = ops();
-  const int64_t rows = x.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const at::Tensor projected = f.linear.call(f.norm.call(x, input_norm, eps), qkv);
-  TORCH_CHECK(projected.size(1) == q_width + 2 * kv_width,
-              "decode_layer: qkv's rows must be q's, k's and v's");
-  at::Tensor q = projected.narrow(1, 0, q_width).view({rows, heads, head_dim});
-  at::Tensor k = projected.narrow(1, q_width, kv_width).view({rows, kv_heads, head_dim});
-  at::Tensor v = projected.narrow(1, q_width + kv_width, kv_width).view({rows, kv_heads, head_dim});
-  f.rotate.call(q, k, cos, sin_signed);
-  const at::Tensor attended = f.attend.call(q, k, v, key_cache, value_cache, new_slots, blocks,
-                                            lengths, block_size);
-  const at::Tensor mid = x + f.linear.call(attended.reshape({rows, q_width}), o);
-  const at::Tensor both = f.linear.call(f.norm.call(mid, post_norm, eps), gate_up);
-  TORCH_CHECK(both.size(1) % 2 == 0, "decode_layer: gate_up's rows must be gate's and up's");
-  const int64_t hidden = both.size(1) / 2;
-  const at::Tensor gated = at::silu(both.narrow(1, 0, hidden)) * both.narrow(1, hidden, hidden);
-  return mid + f.linear.call(gated, down);
+// x rounded to T after adding y, as torch adds two tensors of T.
+template <typename T>
+void add_rows(const T* x, const T* y, T* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = narrow<T>(widen(x[i]) + widen(y[i]));
+}
+
+// A row's activations quantised per block of 32, as the q4 kernel takes them (blocks_avx2.h).
+struct Quantised {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+
+  void size_for(int64_t rows, int64_t widest) {
+    codes.resize(rows * widest);
+    scales.resize(rows * widest / kBlock);
+    sums.resize(rows * widest / kBlock);
+  }
+
+  // Rows [first, last) of x [rows, k] (rows dense), for a matrix of k columns.
+  template <typename T>
+  void rows_of(const T* x, int64_t k, int64_t first, int64_t last) {
+    const int64_t blocks = k / kBlock;
+    quantize_rows(x + first * k, last - first, k, codes.data() + first * k,
+                  scales.data() + first * blocks, sums.data() + first * blocks);
+  }
+
+  // Output rows [first, last) of (the quantised x) @ W.T for W of n Q4_1 rows, into out [rows, n].
+  template <typename T>
+  void times(const at::Tensor& weights, int64_t rows, T* out, int64_t first, int64_t last) const {
+    const int64_t k = weights.size(1) / Q4_1::kBytes * kBlock;
+    multiply_range<Q4_1>(codes.data(), scales.data(), sums.data(), rows, k,
+                         weights.data_ptr<uint8_t>(), weights.size(0), out, first, last);
+  }
+};
+
+struct Shapes {
+  int64_t rows, width, heads, kv_heads, head_dim, hidden;
+  int64_t q_width() const { return heads * head_dim; }
+  int64_t kv_width() const { return kv_heads * head_dim; }
+  int64_t qkv_width() const { return q_width() + 2 * kv_width(); }
+};
+
+struct Weights {
+  const at::Tensor &input_norm, &post_norm, &qkv, &o, &gate_up, &down;
+  double eps;
+};
+
+// What every layer of a step writes between its phases, allocated once for the step: the
+// layers run one after another, and each phase's barrier keeps them from overlapping.
+template <typename T>
+struct Scratch {
+  explicit Scratch(const Shapes& s)
+      : normed(s.rows * s.width), projected(s.rows * s.qkv_width()),
+        attended(s.rows * s.q_width()), mid(s.rows * s.width), both(s.rows * 2 * s.hidden),
+        gated(s.rows * s.hidden) {
+    quantised.size_for(s.rows, std::max({s.width, s.q_width(), s.hidden}));
+  }
+
+  std::vector<T> normed, projected, attended, mid, both, gated;
+  Quantised quantised;
+};
+
+// One layer's step over a step's scratch; run() is each thread's part of it.
+template <typename T>
+class LayerStep {
+ public:
+  LayerStep(const Shapes& shape, const Weights& w, const T* x, const T* cos, const T* sin,
+            const PagedLayer<T>& cache, T* out, Scratch<T>& scratch)
+      : s_(shape), w_(w), x_(x), cos_(cos), sin_(sin), cache_(cache), out_(out),
+        normed_(scratch.normed), projected_(scratch.projected), attended_(scratch.attended),
+        mid_(scratch.mid), both_(scratch.both), gated_(scratch.gated),
+        quantised_(scratch.quantised) {}
+
+  // The layer for parts [first, last) of team's, which this thread has joined. Its last phase
+  // needs no barrier after it: each thread adds its own rows, and the next layer's first phase
+  // reads only the same thread's rows.
+  void run(Team& team, int64_t first, int64_t last, bool& sense) {
+    const auto phase = [&](auto&& work) {
+      for (int64_t part = first; part < last; ++part) work(part, team.parts());
+      team.sync(sense);
+    };
+    phase([&](int64_t p, int64_t n) { norm_rows(x_, w_.input_norm, rows(p, n)); });
+    phase([&](int64_t p, int64_t n) { multiply(w_.qkv, projected_.data(), p, n); });
+    phase([&](int64_t p, int64_t n) { rotate_and_store(rows(p, n)); });
+    phase([&](int64_t p, int64_t n) { attend(share(s_.rows * s_.heads, p, n, 1)); });
+    phase([&](int64_t p, int64_t n) { quantise(attended_.data(), s_.q_width(), rows(p, n)); });
+    phase([&](int64_t p, int64_t n) { multiply(w_.o, mid_.data(), p, n); });
+    phase([&](int64_t p, int64_t n) { residual_and_norm(rows(p, n)); });
+    phase([&](int64_t p, int64_t n) { multiply(w_.gate_up, both_.data(), p, n); });
+    phase([&](int64_t p, int64_t n) { gate(rows(p, n)); });
+    phase([&](int64_t p, int64_t n) { multiply(w_.down, out_, p, n); });
+    for (int64_t part = first; part < last; ++part) {
+      const auto [r0, r1] = rows(part, team.parts());
+      add_rows(mid_.data() + r0 * s_.width, out_ + r0 * s_.width, out_ + r0 * s_.width,
+               (r1 - r0) * s_.width);
+    }
+  }
+
+ private:
+  using Span = std::pair<int64_t, int64_t>;
+
+  Span rows(int64_t part, int64_t parts) const { return share(s_.rows, part, parts, 1); }
+
+  // Output rows of `weights` in pieces of 16, as the q4 op splits them between threads.
+  void multiply(const at::Tensor& weights, T* out, int64_t part, int64_t parts) const {
+    const auto [j0, j1] = share(weights.size(0), part, parts, 16);
+    if (j0 < j1) quantised_.times(weights, s_.rows, out, j0, j1);
+  }
+
+  void quantise(const T* x, int64_t k, Span r) { quantised_.rows_of(x, k, r.first, r.second); }
+
+  void norm_rows(const T* x, const at::Tensor& weight, Span r) {
+    for (int64_t i = r.first; i < r.second; ++i)
+      pdserve::step::rms_norm_row(x + i * s_.width, weight.data_ptr<T>(),
+                                  normed_.data() + i * s_.width, s_.width, w_.eps);
+    quantise(normed_.data(), s_.width, r);
+  }
+
+  void rotate_and_store(Span r) {
+    const int64_t d = s_.head_dim, stride = s_.qkv_width();
+    std::vector<float> kept(d);
+    for (int64_t i = r.first; i < r.second; ++i) {
+      T* row = projected_.data() + i * stride;
+      for (int64_t h = 0; h < s_.heads + s_.kv_heads; ++h)  // q's heads, then k's
+        pdserve::step::rotate_head(row + h * d, cos_ + i * d, sin_ + i * d, d, kept.data());
+    }
+    const T* k = projected_.data() + s_.q_width();
+    cache_.write(k, k + s_.kv_width(), r.first, r.second, stride);
+  }
+
+  // Query heads [first, last) of the batch (sequence item / heads), as paged_decode attends them:
+  // the query widened to float32, the result rounded to T.
+  void attend(Span items) {
+    const int64_t d = s_.head_dim;
+    std::vector<float> query(d), result(d), scores;
+    for (int64_t item = items.first; item < items.second; ++item) {
+      const int64_t i = item / s_.heads, h = item % s_.heads;
+      const T* q = projected_.data() + i * s_.qkv_width() + h * d;
+      for (int64_t c = 0; c < d; ++c) query[c] = widen(q[c]);
+      cache_.attend(item, query.data(), result.data(), scores);
+      T* to = attended_.data() + item * d;
+      for (int64_t c = 0; c < d; ++c) to[c] = narrow<T>(result[c]);
+    }
+  }
+
+  // mid = x + o's output (in mid_), then its norm, quantised for gate_up.
+  void residual_and_norm(Span r) {
+    const int64_t at = r.first * s_.width, count = (r.second - r.first) * s_.width;
+    add_rows(x_ + at, mid_.data() + at, mid_.data() + at, count);
+    norm_rows(mid_.data(), w_.post_norm, r);
+  }
+
+  // SiLU(gate) * up, quantised for down. SiLU is torch's own (at::silu_out, run inline inside
+  // this region), so that it rounds exactly as llama.py's F.silu does.
+  void gate(Span r) {
+    if (r.first == r.second) return;
+    const int64_t hidden = s_.hidden, count = r.second - r.first;
+    const auto dtype = c10::CppTypeToScalarType<T>::value;
+    const auto options = at::TensorOptions().dtype(dtype);
+    T* gated = gated_.data() + r.first * hidden;
+    const at::Tensor gate_in = at::from_blob(both_.data() + r.first * 2 * hidden, {count, hidden},
+                                             {2 * hidden, 1}, options);
+    at::Tensor gate_out = at::from_blob(gated, {count, hidden}, options);
+    at::silu_out(gate_out, gate_in);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* up = both_.data() + (r.first + i) * 2 * hidden + hidden;
+      for (int64_t c = 0; c < hidden; ++c)
+        gated[i * hidden + c] = narrow<T>(widen(gated[i * hidden + c]) * widen(up[c]));
+    }
+    quantise(gated_.data(), hidden, r);
+  }
+
+  const Shapes s_;
+  const Weights w_;
+  const T *x_, *cos_, *sin_;
+  const PagedLayer<T>& cache_;
+  T* out_;
+  std::vector<T>&normed_, &projected_, &attended_, &mid_, &both_, &gated_;
+  Quantised& quantised_;
+};
+
+void check_matrix(const at::Tensor& m, int64_t rows, int64_t columns, const char* name) {
+  TORCH_CHECK(m.dim() == 2 && m.scalar_type() == at::kByte && m.is_contiguous() &&
+                  columns % kBlock == 0 && m.size(0) == rows &&
+                  m.size(1) == columns / kBlock * Q4_1::kBytes,
+              "decode_layers: ", name, " must be Q4_1 blocks [", rows, ", ", columns, " / 32 * 20]");
+}
+
+// Every layer of the step in one region: layer i reads buffer i % 2 and writes the other.
+template <typename T>
+at::Tensor run_layers(const at::Tensor& x, const Shapes& shape, const std::vector<Weights>& weights,
+                      const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<PagedLayer<T>>& caches) {
+  const at::Tensor buffers[2] = {x.clone(), at::empty_like(x)};
+  Scratch<T> scratch(shape);
+  std::vector<LayerStep<T>> layers;
+  layers.reserve(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i)
+    layers.emplace_back(shape, weights[i], buffers[i % 2].data_ptr<T>(), cos.data_ptr<T>(),
+                        sin.data_ptr<T>(), caches[i], buffers[(i + 1) % 2].data_ptr<T>(),
+                        scratch);
+  Team team(at::get_num_threads());
+  at::parallel_for(0, team.parts(), 1, [&](int64_t first, int64_t last) {
+    team.join(first, last);
+    bool sense = false;
+    for (LayerStep<T>& layer : layers) layer.run(team, first, last, sense);
+  });
+  return buffers[weights.size() % 2];
+}
+
+// x [rows, width]; per layer, the norms' weights and its Q4_1 block matrices (q, k, v stacked in
+// qkv, gate and up in gate_up). cos and sin_signed as rotary_ takes them; kv is the paged cache
+// [layers, 2 (keys, values), kv_heads, slots, head_dim], and the slots, blocks and lengths are as
+// paged_decode takes them. Returns the last layer's output [rows, width].
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList input_norms,
+                         at::TensorList post_norms, double eps, at::TensorList qkv,
+                         at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
+                         const at::Tensor& sin_signed, at::Tensor kv, const at::Tensor& new_slots,
+                         const at::Tensor& blocks, const at::Tensor& lengths,
+                         int64_t block_size) {
+  // Everything is checked here, before the region: a thread that threw inside it would leave
+  // the others waiting at a barrier.
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be a dense [rows, width]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: float32 or bfloat16");
+  const int64_t count = static_cast<int64_t>(qkv.size());
+  TORCH_CHECK(count > 0 && input_norms.size() == qkv.size() && post_norms.size() == qkv.size() &&
+                  o.size() == qkv.size() && gate_up.size() == qkv.size() &&
+                  down.size() == qkv.size(),
+              "decode_layers: one norm pair and four matrices per layer");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == count && kv.size(1) == 2 && kv.size(2) == kv_heads,
+              "decode_layers: kv must be [layers, 2, kv_heads, slots, head_dim]");
+  TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 2 == 0,
+              "decode_layers: gate_up's rows must be gate's and up's");
+  const Shapes shape{x.size(0), x.size(1), heads, kv_heads, head_dim, gate_up[0].size(0) / 2};
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
+              "decode_layers: heads must be a multiple of kv_heads, head_dim even");
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() &&
+                  cos.numel() == shape.rows * head_dim && sin_signed.numel() == cos.numel() &&
+                  cos.scalar_type() == dtype && sin_signed.scalar_type() == dtype,
+              "decode_layers: cos and sin must be [rows, 1, head_dim] in x's dtype");
+  TORCH_CHECK(new_slots.numel() == shape.rows,
+              "decode_layers: one int64 slot per new row of k and v");
+  std::vector<at::Tensor> keys, values;  // each layer's, alive for its PagedLayer
+  std::vector<Weights> weights;
+  for (int64_t i = 0; i < count; ++i) {
+    check_matrix(qkv[i], shape.qkv_width(), shape.width, "qkv");
+    check_matrix(o[i], shape.width, shape.q_width(), "o");
+    check_matrix(gate_up[i], 2 * shape.hidden, shape.width, "gate_up");
+    check_matrix(down[i], shape.width, shape.hidden, "down");
+    for (const at::Tensor* norm : {&input_norms[i], &post_norms[i]})
+      TORCH_CHECK(norm->is_contiguous() && norm->numel() == shape.width &&
+                      norm->scalar_type() == dtype,
+                  "decode_layers: the norms' weights must be [width] in x's dtype");
+    keys.push_back(kv.select(0, i).select(0, 0));
+    values.push_back(kv.select(0, i).select(0, 1));
+    weights.push_back(Weights{input_norms[i], post_norms[i], qkv[i], o[i], gate_up[i], down[i], eps});
+  }
+  // Every layer's cache is a slice of kv of the same shape: checking the first checks them all.
+  pdserve::step::check_cache(shape.rows, heads, head_dim, dtype, keys[0], values[0], new_slots,
+                             blocks, lengths, block_size);
+  const auto caches = [&](auto element) {
+    using T = decltype(element);
+    std::vector<PagedLayer<T>> layers;
+    for (int64_t i = 0; i < count; ++i)
+      layers.emplace_back(keys[i], values[i], new_slots, blocks, lengths, heads, block_size);
+    return layers;
+  };
+  if (dtype == at::kFloat)
+    return run_layers(x, shape, weights, cos, sin_signed, caches(float{}));
+  return run_layers(x, shape, weights, cos, sin_signed, caches(BFloat16{}));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def(
-      "decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv, "
-      "Tensor o, Tensor gate_up, Tensor down, int heads, int kv_heads, int head_dim, Tensor cos, "
-      "Tensor sin_signed, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor new_slots, "
+      "decode_layers(Tensor x, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+      "Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, int heads, int kv_heads, "
+      "int head_dim, Tensor cos, Tensor sin_signed, Tensor(a!) kv, Tensor new_slots, "
       "Tensor blocks, Tensor lengths, int block_size) -> Tensor");
-  m.impl("decode_layer", c10::DispatchKey::CPU, TORCH_FN(decode_layer));
+  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
 }

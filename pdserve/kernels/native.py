@@ -1,7 +1,7 @@
 """Build and load pdserve's native library: the AVX2 kernel for llama.cpp's Q4_1 and Q8_0
 blocks (blocks_avx2.cpp: the other q4 kernel beside torch's, and the Q8_0 output head of a q4
 model on it), the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py), and a decode
-step's whole Llama layer in one call over them (decode_layer.cpp).
+step's Llama layers in one call over them (decode_layer.cpp).
 
 `--q4-kernel` picks how q4 layers multiply:
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16
@@ -43,11 +43,14 @@ from pdserve.core.config import Q4_KERNEL_CHOICES
 
 log = logging.getLogger(__name__)
 
-# One library from both sources: the q4 kernel and the fused step ops (step_ops.py).
+# One library from these sources: the q4 kernel, the fused step ops (step_ops.py) and the whole
+# layer over both.
 SOURCES = [
     Path(__file__).with_name(name)
     for name in ("blocks_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
 ]
+# The loops the sources share; hashed with them, so a changed header rebuilds the library too.
+HEADERS = [Path(__file__).with_name(name) for name in ("blocks_avx2.h", "step_kernels.h")]
 LIBRARY_PREFIX = "pdserve_native-"
 # -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape
 # and not in another, and a row's result would depend on how many rows share its call.
@@ -166,7 +169,7 @@ def _torch_flags(ext) -> list[str]:
 
 def library_path() -> Path:
     """Where the library for this source, torch version and flags lives (built or not)."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     digest.update(importlib.metadata.version("torch").encode())
     digest.update(" ".join(FLAGS).encode())
     directory = os.environ.get("PDSERVE_KERNEL_DIR") or Path(sys.prefix) / "share/pdserve-kernels"

@@ -7,8 +7,8 @@ stream. `--step-ops native` runs each of those as one call per layer:
   rotary_        RoPE on q and k in place
   paged_decode   the step's K and V written to their slots, then each sequence attended over its
                  own blocks in the cache's dtype: no gather, no float32 copy of the context
-Where a step holds decodes alone and every matrix is native Q4_1, each whole layer runs in one
-call over these ops and the q4 kernel (decode_layer.cpp, llama.py's Layer.decode_whole).
+Where a step holds decodes alone and every matrix is native Q4_1, all its layers run in one
+call over these ops and the q4 kernel (decode_layer.cpp, llama.py's decode_layers).
 `auto` (the default) picks native where the library runs (x86-64 Linux with AVX2, FMA, F16C) for
 fast numerics in float32 or bfloat16, and torch otherwise: invariant numerics sum attention in
 fixed chunks of keys that these ops do not.

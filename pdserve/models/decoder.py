@@ -66,10 +66,9 @@ class DecoderOnly(nn.Module):
         pos = torch.tensor(positions, dtype=torch.long)
         x, rotary = self.embed(torch.tensor(tokens, dtype=torch.long), pos), self.rotary(pos)
         # A step of decodes alone (the paged cache's decode_only; a view that wraps it has
-        # none), where the architecture runs whole layers natively: one call per layer.
+        # none), where the architecture runs whole layers natively: one call for all of them.
         if getattr(cache, "decode_only", False) and self.whole_layers(len(tokens)):
-            for index, layer in enumerate(self._decoder_layers()):
-                x = layer.decode_whole(x, rotary, cache.layer_operands(index))  # type: ignore[attr-defined]
+            x = self.decode_layers(x, rotary, cache.step_operands())  # type: ignore[attr-defined]
             return self.logits(x if logits_rows is None else x[logits_rows])
         for index, layer in enumerate(self._decoder_layers()):
             q, k, v = layer.qkv(x, rotary)
@@ -77,8 +76,12 @@ class DecoderOnly(nn.Module):
         return self.logits(x if logits_rows is None else x[logits_rows])
 
     def whole_layers(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows may run each layer in one native call."""
+        """Whether a decode step of `rows` rows may run its layers in one native call."""
         return False
+
+    def decode_layers(self, x: torch.Tensor, rotary, cache_operands: tuple) -> torch.Tensor:
+        """Every layer of a decode step in one native call, where whole_layers says it may."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def forward_contiguous(self, tokens: list[int], cache: ContiguousKv) -> torch.Tensor:

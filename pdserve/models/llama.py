@@ -128,8 +128,8 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def runs_whole(self) -> bool:
-        """Its matrices are native Q4_1 without biases and its norms native: decode_whole
-        runs exactly what qkv() and finish() run."""
+        """Its matrices are native Q4_1 without biases and its norms native: decode_layers.cpp
+        then runs exactly what qkv() and finish() run."""
         a, mlp = self.self_attn, self.mlp
         matrices = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
         native = all(
@@ -137,26 +137,24 @@ class Layer(nn.Module):
         )
         return native and self.input_layernorm.fused and self.post_attention_layernorm.fused
 
-    def decode_whole(self, x: torch.Tensor, rotary: Rotary, attend_operands: tuple) -> torch.Tensor:
-        """qkv() then finish() of a decode step in one native call (decode_layer.cpp), the same
-        ops in the same order. `attend_operands`: the paged cache's for this layer."""
-        a, mlp = self.self_attn, self.mlp
-        return torch.ops.pdserve.decode_layer(
-            x,
-            self.input_layernorm.weight,
-            self.post_attention_layernorm.weight,
-            self.input_layernorm.eps,
-            cast(Q4Linear, a.qkv_proj).blocks,
-            cast(Q4Linear, a.o_proj).blocks,
-            cast(Q4Linear, mlp.gate_up_proj).blocks,
-            cast(Q4Linear, mlp.down_proj).blocks,
-            a.heads,
-            a.kv_heads,
-            a.head_dim,
-            rotary.cos,
-            rotary.sin_signed,
-            *attend_operands,
-        )
+
+def layer_operands(layers: list[Layer]) -> tuple[list[torch.Tensor], ...]:
+    """What decode_layers takes of the layers' weights, listed once: the norms' weights and,
+    where every layer runs_whole, the Q4_1 blocks of each matrix (else no matrices)."""
+    norms: list[torch.Tensor] = [layer.input_layernorm.weight for layer in layers]
+    post_norms: list[torch.Tensor] = [layer.post_attention_layernorm.weight for layer in layers]
+    if not all(layer.runs_whole() for layer in layers):
+        return norms, post_norms, [], [], [], []
+    attention = [layer.self_attn for layer in layers]
+    mlp = [layer.mlp for layer in layers]
+    return (
+        norms,
+        post_norms,
+        [cast(Q4Linear, a.qkv_proj).blocks for a in attention],
+        [cast(Q4Linear, a.o_proj).blocks for a in attention],
+        [cast(Q4Linear, m.gate_up_proj).blocks for m in mlp],
+        [cast(Q4Linear, m.down_proj).blocks for m in mlp],
+    )
 
 
 class Backbone(nn.Module):
@@ -184,6 +182,7 @@ class LlamaForCausalLM(DecoderOnly):
             config.head_dim, config.rope_theta, dict(config.rope_scaling)
         )
         self._whole_layers = False  # set by use_weights where every layer runs_whole
+        self._layer_operands: tuple[list[torch.Tensor], ...] = ()  # set by use_weights too
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -226,3 +225,27 @@ class LlamaForCausalLM(DecoderOnly):
                 head = cast(nn.Linear, self.lm_head).weight
             self.lm_head = output_head(fmt, head, q4.kernel)
         self._whole_layers = all(layer.runs_whole() for layer in cast(list[Layer], self.layers))
+        self._layer_operands = layer_operands(cast(list[Layer], list(self.layers)))
+
+    def decode_layers(self, x: torch.Tensor, rotary: Rotary, cache_operands: tuple) -> torch.Tensor:
+        """qkv() then finish() of every layer of a decode step in one native call
+        (decode_layer.cpp), the same ops in the same order. `cache_operands`: the paged cache's
+        (PagedCache.step_operands)."""
+        norms, post_norms, qkv, o, gate_up, down = self._layer_operands
+        attention = cast(Layer, self.layers[0]).self_attn
+        return torch.ops.pdserve.decode_layers(
+            x,
+            norms,
+            post_norms,
+            self.config.norm_eps,
+            qkv,
+            o,
+            gate_up,
+            down,
+            attention.heads,
+            attention.kv_heads,
+            attention.head_dim,
+            rotary.cos,
+            rotary.sin_signed,
+            *cache_operands,
+        )

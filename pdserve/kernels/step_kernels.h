@@ -1,0 +1,249 @@
+// The per-token work of a decode step besides the matrices, one row, head or sequence at a
+// time: step_ops.cpp registers them as ops, decode_layer.cpp runs them inside its own parallel
+// region. Every row (and every sequence) is computed alone, in an order set by its own length,
+// so its result does not depend on the batch beside it. Scores and softmax are float32.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace pdserve::step {
+
+using c10::BFloat16;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const BFloat16* p) {
+  // bf16 is the top half of a float32: widen each 16-bit lane and shift it into place.
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t dim) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {  // two accumulators: the adds do not wait on each other
+    a0 = _mm256_add_ps(a0, _mm256_mul_ps(load8(q + i), load8(k + i)));
+    a1 = _mm256_add_ps(a1, _mm256_mul_ps(load8(q + i + 8), load8(k + i + 8)));
+  }
+  for (; i < dim; i += 8) a0 = _mm256_add_ps(a0, _mm256_mul_ps(load8(q + i), load8(k + i)));
+  return sum8(_mm256_add_ps(a0, a1));
+}
+
+template <typename T>
+inline float widen(T x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T narrow(float x) { return static_cast<T>(x); }  // round to nearest even for bf16
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+
+// One row of x: x * rsqrt(mean(x^2) + eps) * weight.
+template <typename T>
+void rms_norm_row(const T* row, const T* w, T* out, int64_t width, double eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < width; ++i) squares += widen(row[i]) * widen(row[i]);
+  const float scale = 1.f / std::sqrt(squares / static_cast<float>(width) + (float)eps);
+  // As the module computes it: normalised in float32, rounded to the dtype, then weighted.
+  for (int64_t i = 0; i < width; ++i)
+    out[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(row[i]) * scale)));
+}
+
+// ---- RoPE -------------------------------------------------------------------------------------
+
+// One head of one token, v [dim], rotated in place against cos and sin_signed [dim]: each half
+// against the other, v * cos + roll(v, dim/2) * sin_signed, as rope.py's Rotary. kept: dim floats
+// of scratch.
+template <typename T>
+void rotate_head(T* v, const T* c, const T* s, int64_t dim, float* kept) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) kept[i] = widen(v[i]);
+  for (int64_t i = 0; i < dim; ++i) {
+    // Rounded where torch rounds: x * cos is a tensor of the dtype, then one addcmul.
+    const float scaled = widen(narrow<T>(kept[i] * widen(c[i])));
+    v[i] = narrow<T>(scaled + kept[(i + half) % dim] * widen(s[i]));
+  }
+}
+
+// ---- Paged decode attention -------------------------------------------------------------------
+
+// Refuses a paged cache, slots, blocks or lengths that would read or write outside the cache,
+// for `batch` sequences of `heads` query heads of `dim` in `dtype`, before anything is written.
+inline void check_cache(int64_t batch, int64_t heads, int64_t dim, at::ScalarType dtype,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& new_slots, const at::Tensor& blocks,
+                        const at::Tensor& lengths, int64_t block_size) {
+  TORCH_CHECK(key_cache.dim() == 3 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(),
+              "paged_decode: the caches must be dense [kv_heads, slots, dim]");
+  const int64_t kv_heads = key_cache.size(0), slot_count = key_cache.size(1);
+  TORCH_CHECK(dim % 8 == 0 && key_cache.size(2) == dim && heads % kv_heads == 0,
+              "paged_decode: shapes of q, k, v and the cache do not agree (dim % 8 == 0)");
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "paged_decode: k, v and the caches must share a dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_decode: float32 or bfloat16");
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.is_contiguous(),
+              "paged_decode: one int64 slot per new row of k and v");
+  const int64_t* slots = new_slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < new_slots.numel(); ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < slot_count, "paged_decode: slot out of range");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(0) == batch && lengths.scalar_type() == at::kLong &&
+                  lengths.is_contiguous() && lengths.numel() == batch,
+              "paged_decode: blocks [batch, width] and lengths [batch], int64");
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* table = blocks.data_ptr<int64_t>();
+  const int64_t width = blocks.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(length[b] >= 1 && length[b] <= width * block_size,
+                "paged_decode: a sequence's length does not fit its blocks");
+    for (int64_t i = 0; i < (length[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table[b * width + i] >= 0 && (table[b * width + i] + 1) * block_size <= slot_count,
+                  "paged_decode: block out of range");
+  }
+}
+
+// check_cache, and q [batch, heads, dim], k and v [rows, kv_heads, dim] with one slot per row.
+inline void check_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& new_slots, const at::Tensor& blocks,
+                        const at::Tensor& lengths, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode: q must be [batch, heads, dim]");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
+              "paged_decode: k and v must be [rows, kv_heads, dim]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && key_cache.dim() == 3 &&
+                  k.size(1) == key_cache.size(0),
+              "paged_decode: shapes of q, k, v and the cache do not agree (dim % 8 == 0)");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(),
+              "paged_decode: k, v and the caches must share a dtype");
+  TORCH_CHECK(new_slots.numel() == k.size(0), "paged_decode: one int64 slot per new row of k and v");
+  check_cache(q.size(0), q.size(1), q.size(2), k.scalar_type(), key_cache, value_cache, new_slots,
+              blocks, lengths, block_size);
+}
+
+// Writes `rows` new rows of K or V, each `heads` heads of `dim` (the heads `head_stride` apart,
+// the rows `row_stride`), to their slots (checked by check_cache) of the layer's cache
+// [kv_heads, slots, dim].
+template <typename T>
+void write_slots(const T* src, int64_t rows, int64_t row_stride, int64_t heads,
+                 int64_t head_stride, int64_t dim, T* cache, const int64_t* slots,
+                 int64_t slot_count) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* from = src + r * row_stride + h * head_stride;
+      std::copy(from, from + dim, cache + (h * slot_count + slots[r]) * dim);
+    }
+  }
+}
+
+// exp for x <= 0 (scores minus their maximum), 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <=
+// ln2 / 2, p a degree-7 Taylor polynomial (relative error below 2e-8 there).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// One query head of one sequence: softmax(q . k_t / sqrt(dim)) . v_t over its `length` tokens.
+template <typename T>
+void attend_head(const float* q, const T* keys, const T* values, const int64_t* blocks,
+                 int64_t length, int64_t block_size, int64_t dim, float* scores, float* out) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  float top = -INFINITY;
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    scores[t] = dot(q, keys + slot * dim, dim) * scale;
+    top = std::max(top, scores[t]);
+  }
+  int64_t t = 0;
+  __m256 total8 = _mm256_setzero_ps();
+  for (; t + 8 <= length; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(scores + t, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  float total = sum8(total8);
+  for (; t < length; ++t) {
+    float tail[8] = {scores[t] - top};
+    _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+    scores[t] = tail[0];
+    total += tail[0];
+  }
+  std::vector<__m256> acc(dim / 8, _mm256_setzero_ps());
+  for (t = 0; t < length; ++t) {
+    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    const T* v = values + slot * dim;
+    const __m256 w = _mm256_set1_ps(scores[t]);
+    for (int64_t i = 0; i < dim / 8; ++i)
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(w, load8(v + i * 8)));
+  }
+  const __m256 inverse = _mm256_set1_ps(1.f / total);
+  for (int64_t i = 0; i < dim / 8; ++i) _mm256_storeu_ps(out + i * 8, _mm256_mul_ps(acc[i], inverse));
+}
+
+
+// One layer's paged cache as attention reads it, for operands that check_paged accepted.
+template <typename T>
+struct PagedLayer {
+  const at::Tensor &key_cache, &value_cache;
+  const int64_t *slots, *table, *length;
+  int64_t width, slot_count, block_size, heads, group, dim;
+
+  PagedLayer(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& new_slots,
+             const at::Tensor& blocks, const at::Tensor& lengths, int64_t query_heads,
+             int64_t block_size_)
+      : key_cache(keys), value_cache(values), slots(new_slots.data_ptr<int64_t>()),
+        table(blocks.data_ptr<int64_t>()), length(lengths.data_ptr<int64_t>()),
+        width(blocks.size(1)), slot_count(keys.size(1)), block_size(block_size_),
+        heads(query_heads), group(query_heads / keys.size(0)), dim(keys.size(2)) {}
+
+  // New K and V rows [first, last) of the step into their slots: k and v point at the first
+  // row's, each row `row_stride` on, each head `dim` on.
+  void write(const T* k, const T* v, int64_t first, int64_t last, int64_t row_stride) const {
+    const int64_t kv_heads = heads / group, rows = last - first;
+    write_slots(k + first * row_stride, rows, row_stride, kv_heads, dim, dim, key_cache.data_ptr<T>(),
+                slots + first, slot_count);
+    write_slots(v + first * row_stride, rows, row_stride, kv_heads, dim, dim, value_cache.data_ptr<T>(),
+                slots + first, slot_count);
+  }
+
+  // The same from k and v tensors [rows, kv_heads, dim] of any strides (dim dense).
+  void write(const at::Tensor& k, const at::Tensor& v) const {
+    write_slots(k.data_ptr<T>(), k.size(0), k.stride(0), k.size(1), k.stride(1), dim,
+                key_cache.data_ptr<T>(), slots, slot_count);
+    write_slots(v.data_ptr<T>(), v.size(0), v.stride(0), v.size(1), v.stride(1), dim,
+                value_cache.data_ptr<T>(), slots, slot_count);
+  }
+
+  // Query head `item` (sequence item / heads, head item % heads): query [dim] -> out [dim].
+  void attend(int64_t item, const float* query, float* out, std::vector<float>& scores) const {
+    const int64_t b = item / heads, kv = item % heads / group;
+    scores.resize(length[b]);
+    attend_head(query, key_cache.data_ptr<T>() + kv * slot_count * dim,
+                value_cache.data_ptr<T>() + kv * slot_count * dim, table + b * width, length[b],
+                block_size, dim, scores.data(), out);
+  }
+};
+
+}  // namespace pdserve::step
