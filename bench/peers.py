@@ -146,6 +146,8 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
     }
     for variant, system in TORCH_OPS.items():
         systems[variant] = (systems[system][0] + ["--step-ops", "torch"], env)
+    for label, extra in variants(args):
+        systems[f"pdserve colocated ({label})"] = (systems["pdserve colocated"][0] + extra, env)
     if args.vllm_python:
         venv = Path(args.vllm_python).absolute().parent.parent  # not resolved: bin/python links out
         vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
@@ -167,6 +169,17 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
             env,
         )
     return systems
+
+
+def variants(args) -> list[tuple[str, list[str]]]:
+    """--colocated-variant "LABEL=FLAGS": (label, the flags added to colocated's command)."""
+    out = []
+    for spec in args.colocated_variant:
+        label, sep, flags = spec.partition("=")
+        if not sep or not label or not flags.split():
+            raise SystemExit(f'--colocated-variant {spec!r}: expected "LABEL=FLAGS"')
+        out.append((label, flags.split()))
+    return out
 
 
 async def stream_one(session, port: int, prompt: str, tokens: int, arrivals: list[float]) -> float:
@@ -311,13 +324,21 @@ def main() -> None:
     p.add_argument("--long-window", type=float, default=30.0)
     p.add_argument("--no-interference", action="store_true")
     p.add_argument("--only", nargs="*", default=[], help="systems to run (default: all)")
+    p.add_argument(
+        "--colocated-variant",
+        action="append",
+        default=[],
+        help='"LABEL=FLAGS": also run colocated with these flags added, as the system '
+        '"pdserve colocated (LABEL)" (repeatable; always run, whatever --only says)',
+    )
     p.add_argument("--out", default=str(RESULTS / "peers.json"))
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdserve-peers-")
-    names = list(commands(args, 0))
+    extra = [f"pdserve colocated ({label})" for label, _ in variants(args)]
+    names = [n for n in commands(args, 0) if n not in extra]
     names = (
         [n for n in names if n in args.only] if args.only else [n for n in names if n not in OPT_IN]
-    )
+    ) + extra
     runs: dict[str, dict[int, list[dict]]] = {n: {s: [] for s in args.streams} for n in names}
     startup: dict[str, list[float]] = {n: [] for n in names}
     loaded: dict[str, list[dict]] = {n: [] for n in names}
@@ -427,15 +448,18 @@ def goals(summary: dict, streams: list[int]) -> dict:
         return None if a is None or not b else a / b
 
     colo, disagg = "pdserve colocated", "pdserve disaggregated"
+    colocated = [name for name in summary if name.startswith(colo) and name not in OPT_IN]
     out: dict = {}
     for s in streams:
         key = f"{s}_streams"
-        out[f"colocated / vllm tokens/s, {s} streams (goal >= 1.2 where s >= 16)"] = ratio(
-            median(colo, key, "tokens_per_s"), median("vllm", key, "tokens_per_s")
-        )
-        out[f"colocated / vllm ITL p99, {s} streams (goal <= 1)"] = ratio(
-            median(colo, key, "itl_p99_ms"), median("vllm", key, "itl_p99_ms")
-        )
+        for name in colocated:  # the default and each --colocated-variant
+            short = name.removeprefix("pdserve ")
+            out[f"{short} / vllm tokens/s, {s} streams (goal >= 1.2 where s >= 16)"] = ratio(
+                median(name, key, "tokens_per_s"), median("vllm", key, "tokens_per_s")
+            )
+            out[f"{short} / vllm ITL p99, {s} streams (goal <= 1)"] = ratio(
+                median(name, key, "itl_p99_ms"), median("vllm", key, "itl_p99_ms")
+            )
         out[f"colocated (--q4-kernel auto) / on torch's kernel, tokens/s, {s} streams"] = ratio(
             median(colo, key, "tokens_per_s"), median(TORCH_KERNEL, key, "tokens_per_s")
         )

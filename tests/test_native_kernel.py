@@ -7,6 +7,7 @@ import torch
 
 from pdserve.kernels import native
 from pdserve.models.quantized import (
+    BF16_WIDE_ROWS,
     WIDE_ROWS,
     Int8Linear,
     Q4Linear,
@@ -28,7 +29,7 @@ def layer() -> Q4Linear:
 
 
 def _dense(layer: Q4Linear) -> torch.Tensor:
-    return layer.wide_weight().double()
+    return layer.dense_weight().double()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -61,7 +62,7 @@ def test_the_weights_are_the_q4_1_blocks_as_given():
     assert first[4] == codes[0, 0] | (codes[0, 16] << 4)
     scale, minimum = scales.half().float(), minimums.half().float()
     expected = codes.float().view(32, 2, 32) * scale[..., None] + minimum[..., None]
-    assert torch.equal(layer.wide_weight(), expected.view(32, 64))
+    assert torch.equal(layer.dense_weight(), expected.view(32, 64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,6 +75,7 @@ def test_a_row_gets_the_same_result_in_any_batch_and_on_any_threads(dtype, block
     layer = (
         make_linear("q4", weight, None, q4_kernel="native") if block == "q4_1" else Q8Linear(weight)
     )
+    layer.widens = False  # the kernel's own loops at every row count, never a GEMM
     x = torch.randn(33, 1536, generator=gen).to(dtype)
     threads = torch.get_num_threads()
     try:
@@ -86,13 +88,41 @@ def test_a_row_gets_the_same_result_in_any_batch_and_on_any_threads(dtype, block
         torch.set_num_threads(threads)
 
 
-def test_a_wide_pass_computes_as_the_kernel_does(layer):
-    """From WIDE_ROWS rows up the layer multiplies in float32, by the same rounded activations:
-    only the order of the sums differs."""
+def _native_q4(seed: int) -> Q4Linear:
+    gen = torch.Generator().manual_seed(seed)
+    built = make_linear("q4", torch.randn(96, 160, generator=gen), None, q4_kernel="native")
+    assert isinstance(built, Q4Linear)
+    return built
+
+
+def test_a_float32_wide_pass_computes_as_the_kernel_does():
+    """From WIDE_ROWS rows of float32 up the layer multiplies in float32 (on any CPU), by the
+    same rounded activations: only the order of the sums differs."""
+    layer = _native_q4(0)
     x = torch.randn(WIDE_ROWS, 160, generator=torch.Generator().manual_seed(4))
     by_kernel = torch.cat([layer(row[None]) for row in x])
     wide = layer(x)
     assert (wide - by_kernel).abs().max() < 1e-5 * by_kernel.abs().max()
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_a_bf16_wide_pass_multiplies_by_the_kernels_weights_in_bf16(head):
+    """With bf16 dot products, from BF16_WIDE_ROWS rows up a q4 layer or the Q8_0 head
+    multiplies in bfloat16 by its kernel's own weights: a bf16 GEMM's result, not the kernel's
+    8-bit activations, and the weights the kernel reads, rounded to bf16 (and made once)."""
+    gen = torch.Generator().manual_seed(5)
+    layer = Q8Linear(torch.randn(64, 160, generator=gen)) if head else _native_q4(6)
+    layer.bf16_gemm = True  # as on such a CPU (elsewhere torch multiplies bf16 too, slower)
+    x = torch.randn(BF16_WIDE_ROWS, 160, generator=gen).to(torch.bfloat16)
+    assert layer.wide_dtype(BF16_WIDE_ROWS - 1, torch.bfloat16) is None
+    assert layer.wide_dtype(BF16_WIDE_ROWS, torch.float32) is None  # float32 keeps its precision
+    wide = layer(x)
+    held = layer.wide_weight(torch.bfloat16)
+    assert held.dtype == torch.bfloat16 and held is layer.wide_weight(torch.bfloat16)
+    assert torch.equal(held, layer.dense_weight().to(torch.bfloat16))
+    assert torch.equal(wide, torch.nn.functional.linear(x, held))
+    by_kernel = torch.cat([layer(row[None]) for row in x]).float()  # 1 row: the kernel's path
+    assert (wide.float() - by_kernel).abs().max() < 0.05 * by_kernel.abs().max()
 
 
 def test_bad_arguments_are_refused_with_a_message(layer):

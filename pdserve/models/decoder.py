@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.models import attention, invariant_attention
-from pdserve.models.quantized import with_min_rows
+from pdserve.models.quantized import in_tiles
 from pdserve.models.protocol import ContiguousKv, LayerKvCallback, PagedKv
 
 
@@ -99,10 +99,10 @@ class DecoderOnly(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 whatever the weights' dtype, so sampling sees the same numbers everywhere.
-        Invariant numerics give a dense head at least 4 rows, as PaddedRows does the other
+        Invariant numerics run a dense head in tiles of 16 rows, as PaddedRows does the other
         layers (a tied head is no module for it to wrap); an 8-bit head needs none."""
         if self.config.numerics == "invariant" and not self.head_is_row_invariant():
-            return with_min_rows(self.head, x).float()
+            return in_tiles(self.head, x).float()
         return self.head(x).float()
 
     def head_is_row_invariant(self) -> bool:

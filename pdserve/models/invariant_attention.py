@@ -6,9 +6,10 @@ decode bucket pads every member to its longest, which moves where the GEMM's lon
 blocked. In bfloat16 that difference is enough to change a token. Here every sum has an order
 set by key positions alone:
 
-- scores are one fp32 bmm over the head dimension with at least MIN_ROWS query rows (measured
-  on this machine's torch: a row's result is the same from 4 rows up, whatever the batch, the
-  number of keys or the threads; 1 to 3 rows take another kernel, with other results);
+- scores are one fp32 bmm over the head dimension with at least MIN_ROWS query rows (1 to 3
+  rows take another kernel, with other results; on the AVX2 EPYC 4 rows sufficed, but on a Xeon
+  with AMX a decode step padded to 4 rows and the same row in a prompt pass differed, and from
+  16 they agree: tests/test_invariance.py);
 - the softmax's max is exact, exp is elementwise;
 - values and the denominator are summed per CHUNK of keys aligned to position 0 (measured: a
   bmm over 64 keys, zeros where a query may not look, gives a row the same result from 4 rows
@@ -29,7 +30,7 @@ from pdserve.models import attention
 
 CHUNK = 64
 KEY_ALIGNMENT = CHUNK  # a decode bucket's width is a multiple of this, so it needs no padding
-MIN_ROWS = 4  # an fp32 bmm or GEMM gives a row the same bits from this many rows up
+MIN_ROWS = 16  # an fp32 bmm gives a row the same bits from this many rows up
 QUERY_TILE = 128  # prompt rows per pass: bounds the per-chunk partial sums' memory
 
 

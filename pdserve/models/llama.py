@@ -15,7 +15,6 @@ from torch import nn
 from pdserve.core.config import ModelConfig
 from pdserve.models.decoder import DecoderOnly
 from pdserve.models.quantized import (
-    WIDE_ROWS,
     Int8Linear,
     Q4Linear,
     Q8Linear,
@@ -207,8 +206,12 @@ class LlamaForCausalLM(DecoderOnly):
         return isinstance(self.lm_head, (Int8Linear, Q8Linear))
 
     def whole_layers(self, rows: int) -> bool:
-        """Below WIDE_ROWS a q4 matrix runs its 4-bit kernel, as decode_layer.cpp does."""
-        return self._whole_layers and rows < WIDE_ROWS
+        """Where every layer runs_whole and a q4 matrix would run its 4-bit kernel on `rows`
+        rows, as decode_layer.cpp does (not a wide pass)."""
+        if not self._whole_layers:
+            return False
+        first = cast(Q4Linear, cast(Layer, self.layers[0]).self_attn.qkv_proj)
+        return first.wide_dtype(rows, self.model.embed_tokens.weight.dtype) is None
 
     def use_weights(self, fmt: str, q4: Q4Source) -> None:
         """Fuses each layer's projections and holds every linear layer in `fmt` (quantized.py);

@@ -23,13 +23,23 @@ q4 layers multiply on one of two kernels (--q4-kernel, pdserve/kernels/native.py
 A q4 layer whose shape does not fit (output rows not a multiple of 16, as torch's packing needs,
 or input columns not a multiple of 32) stays int8, and says so in the log.
 
-A pass of many rows (a prompt's prefill) is bound by arithmetic, not by bytes, and a 4-bit
-kernel is then the slower way: on an AVX2 CPU at 1,500 rows torch's took 54-57 ms per SmolLM2
-matrix against 22-30 ms for a float32 GEMM (and 145-170 ms in bfloat16, which AVX2 has no
-instructions for). So a q4 layer keeps its codes and, from WIDE_ROWS rows up, multiplies in
-float32 by the same weights, dequantized once on first use (4 bytes per weight, only in a process
-that runs such passes). The crossover measured there was 48-64 rows. On the native kernel the
-wide pass rounds its activations to 8 bits first, so it computes what the kernel computes.
+A pass of many rows (a prompt's prefill, a decode step of many sequences) is bound by
+arithmetic, not by bytes, and the 4- and 8-bit kernels, which cost about a row's time per row,
+are then the slower way. So a quantized layer keeps its codes and, from some number of rows up
+(a "wide" pass), multiplies by the same weights as a dense copy, made once on first use and held
+only in a process that runs such passes. Which dtype, and from how many rows, depends on the CPU
+(wide_pass_here):
+
+  bfloat16 from BF16_WIDE_ROWS rows, every quantized layer of a bfloat16 model, where oneDNN
+          has bf16 dot products (AVX512_BF16 or AMX). On a 2-vCPU Xeon with AMX (2026-12-05, 2 threads) a bf16 GEMM
+          of a SmolLM2 matrix cost about the same from 1 to 16 rows (50-100 us), while torch's
+          int4 kernel cost 2.2-2.6x as much at 8 rows, 4.4x at 64; the 49,152-row int8 head
+          cost 2.0x at 8 rows and 11x at 64. The crossover was 4-8 rows.
+  float32 from WIDE_ROWS rows, q4 layers only, otherwise (and for a float32 model anywhere): on an AVX2 CPU at 1,500 rows torch's
+          int4 kernel took 54-57 ms per SmolLM2 matrix against 22-30 ms for a float32 GEMM (and
+          145-170 ms in bfloat16, which AVX2 has no instructions for); the crossover was 48-64
+          rows. On the native kernel this pass rounds its activations to 8 bits first, so it
+          computes what the kernel computes.
 """
 
 import logging
@@ -40,7 +50,6 @@ import torch
 from torch import nn
 
 from pdserve.kernels import native
-from pdserve.models.invariant_attention import MIN_ROWS  # float32 GEMMs: invariant from here up
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +57,66 @@ Q4_GROUP = 32
 Q8_0_BLOCK_BYTES = 34  # llama.cpp's block_q8_0: an fp16 scale, then 32 signed codes
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums
-WIDE_ROWS = 128  # from here up, a q4 layer multiplies in float32 (see the module's docstring)
+WIDE_ROWS = 128  # a q4 layer multiplies in float32 from here up (bfloat16 where it goes sooner)
+BF16_WIDE_ROWS = 8  # with bf16 dot products, a layer of bf16 activations goes bf16 from here up
 
 
-class Int8Linear(nn.Module):
+def bf16_gemm_here() -> bool:
+    """Whether oneDNN has bf16 dot-product instructions here (AVX512_BF16, or AMX with it)."""
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+class WidePass(nn.Module):
+    """A quantized layer that multiplies a pass of many rows by a dense copy of its weights
+    (dense_weight, made on first use, one per dtype), as the module's docstring says:
+
+      bfloat16 activations, where `bf16_gemm` (this CPU has bf16 dot products): in bfloat16,
+               from BF16_WIDE_ROWS rows;
+      else, a q4 layer (`four_bit`): in float32, from WIDE_ROWS rows.
+
+    Float32 activations never go to bfloat16: a float32 model keeps its precision. `widens`
+    False keeps every pass on the layer's own kernel, whose result for a row does not depend on
+    how many rows share the pass (invariant numerics sets it so); a wide pass's result would."""
+
+    def __init__(self, four_bit: bool) -> None:
+        super().__init__()
+        self.four_bit, self.widens, self.bf16_gemm = four_bit, True, bf16_gemm_here()
+        self._wide: dict[torch.dtype, torch.Tensor] = {}
+
+    def wide_dtype(self, rows: int, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype a pass of `rows` rows of `dtype` multiplies in; None: the layer's kernel."""
+        if not self.widens:
+            return None
+        if dtype == torch.bfloat16 and self.bf16_gemm and rows >= BF16_WIDE_ROWS:
+            return torch.bfloat16
+        return torch.float32 if self.four_bit and rows >= WIDE_ROWS else None
+
+    def wide(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """flat [rows, in] by the dense copy in `dtype`, returned in the input's dtype."""
+        out = torch.nn.functional.linear(self.wide_input(flat, dtype), self.wide_weight(dtype))
+        return out.to(flat.dtype)
+
+    def wide_input(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return flat.to(dtype)
+
+    def wide_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights the layer's kernel reads, dense, in `dtype` (made once)."""
+        if dtype not in self._wide:
+            self._wide[dtype] = self.dense_weight().to(dtype)
+        return self._wide[dtype]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The layer's weights as its kernel reads them, float32 [out, in]."""
+        raise NotImplementedError
+
+
+class Int8Linear(WidePass):
     codes: torch.Tensor  # buffers, declared for the type checker
     scale: torch.Tensor
     bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
+        super().__init__(four_bit=False)
         self.in_features = weight.shape[1]
         wide = weight.detach().float()
         scale = wide.abs().amax(1).clamp(min=1e-12) / 127
@@ -69,12 +128,19 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = torch._weight_int8pack_mm(flat, self.codes, self.scale)
+        wide = self.wide_dtype(flat.shape[0], flat.dtype)
+        if wide is not None:
+            out = self.wide(flat, wide)
+        else:
+            out = torch._weight_int8pack_mm(flat, self.codes, self.scale)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
+    def dense_weight(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.float()[:, None]
 
-class Q8Linear(nn.Module):
+
+class Q8Linear(WidePass):
     """Codes in -127..127 per group of 32 input columns, each group with one scale: llama.cpp's
     Q8_0 (weight = code * scale), multiplied by the native kernel (pdserve/kernels/
     blocks_avx2.cpp) with activations rounded to int8 per block, as llama.cpp computes it.
@@ -91,15 +157,22 @@ class Q8Linear(nn.Module):
     blocks: torch.Tensor  # a buffer, declared for the type checker
 
     def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__(four_bit=False)
         native.load()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("blocks", q8_0_block_bytes(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.ops.pdserve.q8_0_linear(flat, self.blocks)
+        wide = self.wide_dtype(flat.shape[0], flat.dtype)
+        if wide is not None:
+            out = self.wide(flat, wide)
+        else:
+            out = torch.ops.pdserve.q8_0_linear(flat, self.blocks)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        return q8_0_from_block_bytes(self.blocks)
 
 
 def q8_0_block_bytes(weight: torch.Tensor) -> torch.Tensor:
@@ -120,7 +193,7 @@ def q8_0_from_block_bytes(blocks: torch.Tensor) -> torch.Tensor:
     return (codes * scale).view(blocks.shape[0], -1)
 
 
-class Q4Linear(nn.Module):
+class Q4Linear(WidePass):
     """4-bit groups multiplied by one of two kernels (`kernel`, pdserve/kernels/native.py):
     torch's int4 kernel, or pdserve's own, which computes as llama.cpp does."""
 
@@ -142,7 +215,7 @@ class Q4Linear(nn.Module):
         kernel: str = "torch",
     ) -> None:
         """codes int [rows, columns] in 0..15; scales, minimums [rows, columns / 32]."""
-        super().__init__()
+        super().__init__(four_bit=True)
         self.out_features, self.in_features = codes.shape
         self.kernel = kernel
         if kernel == "native":
@@ -158,16 +231,12 @@ class Q4Linear(nn.Module):
             # The codes again, two to a byte, for the float32 copy (torch's packing is its own).
             self.register_buffer("nibbles", _nibbles(codes))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self._wide: torch.Tensor | None = None
-        # None keeps every pass on the 4-bit kernel, whose result for a row does not depend on
-        # how many rows share the pass (invariant numerics); float32 from WIDE_ROWS would.
-        self.wide_rows: int | None = WIDE_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.wide_rows is not None and flat.shape[0] >= self.wide_rows:
-            wide = flat.float() if self.kernel == "torch" else rounded_to_8_bits(flat)
-            out = torch.nn.functional.linear(wide, self.wide_weight()).to(x.dtype)
+        wide = self.wide_dtype(flat.shape[0], flat.dtype)
+        if wide is not None:
+            out = self.wide(flat, wide)
         elif self.kernel == "native":
             out = torch.ops.pdserve.q4_1_linear(flat.contiguous(), self.blocks)
         else:
@@ -177,18 +246,22 @@ class Q4Linear(nn.Module):
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
-    def wide_weight(self) -> torch.Tensor:
-        """The float32 weights the 4-bit kernel reads, with that kernel's own scales."""
-        if self._wide is None:
-            if self.kernel == "native":
-                codes, scale, minimum = q4_1_from_block_bytes(self.blocks)
-                weight = codes.float() * scale[..., None] + minimum[..., None]
-            else:
-                codes = _codes(self.nibbles)
-                held = self.scales_and_zeros.float().transpose(0, 1)  # [rows, groups, 2]
-                weight = (codes.float() - 8) * held[..., 0:1] + held[..., 1:2]
-            self._wide = weight.view(self.out_features, self.in_features)
-        return self._wide
+    def wide_input(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """In float32 on the native kernel, the activations rounded to 8 bits as it rounds them."""
+        if self.kernel == "native" and dtype == torch.float32:
+            return rounded_to_8_bits(flat)
+        return flat.to(dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weights the 4-bit kernel reads, with that kernel's own scales."""
+        if self.kernel == "native":
+            codes, scale, minimum = q4_1_from_block_bytes(self.blocks)
+            weight = codes.float() * scale[..., None] + minimum[..., None]
+        else:
+            codes = _codes(self.nibbles)
+            held = self.scales_and_zeros.float().transpose(0, 1)  # [rows, groups, 2]
+            weight = (codes.float() - 8) * held[..., 0:1] + held[..., 1:2]
+        return weight.view(self.out_features, self.in_features)
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -242,33 +315,46 @@ def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PaddedRows(nn.Module):
-    """A dense layer that always multiplies at least MIN_ROWS rows (invariant numerics).
+    """A dense layer that multiplies exactly TILE_ROWS rows at a time (invariant numerics).
 
-    Measured with torch 2.13's CPU build: a float32 GEMM gives a row the same result from 4 rows
-    up, whatever the batch or the threads, but 1 to 3 rows take another kernel with other
-    results. A bfloat16 GEMM with a long reduction (SmolLM2's down projection, 1536 inputs) does
-    the same on an AVX-512 host from 2 rows up, but not at 1 (about one output in 576 rounds
-    the other way); an AVX2 host gave the same bits from one row. So a decode step of one
-    sequence is padded to 4 rows in either dtype. The int8 and int4 kernels were measured
-    row-invariant from one row, and are left as they are."""
+    A GEMM's kernel and blocking depend on how many rows it multiplies, and so does the order
+    of a row's sums. Measured with torch 2.13's CPU build on a 2-vCPU Xeon with AMX
+    (2026-12-05): a float32 GEMM of SmolLM2's shapes gave a row other bits at 16 rows than at 4,
+    and at 4 rows other bits on 2 threads than on 1; a bfloat16 GEMM gave other bits from 33
+    rows up. (On the AVX2 and AVX-512 EPYCs before it, float32 was the same from 4 rows up.)
+    At a fixed 16 rows, a row got the same bits in every tile position and beside any other
+    rows, in both dtypes; but TinyGPT's float32 down projection (1,024 inputs, 256 outputs) got
+    other bits on 2 threads than on 1. So every pass is cut into tiles of 16, the last padded
+    with zeros, and multiplied on one thread. The int8 and int4 kernels were measured
+    row-invariant from one row and on any threads, and are left as they are."""
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return with_min_rows(self.linear, x)
+        return in_tiles(self.linear, x)
 
 
-def with_min_rows(
-    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int = MIN_ROWS
-) -> torch.Tensor:
-    """layer(x) computed on at least `rows` rows (zeros added, their outputs dropped)."""
+TILE_ROWS = 16
+
+
+def in_tiles(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """layer(x) computed TILE_ROWS rows at a time (the last tile padded with zeros, whose
+    outputs are dropped) on one thread, so that every GEMM it runs has the same shape and the
+    same split of its sums."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] >= rows:
-        return layer(x)
-    padded = torch.cat([flat, flat.new_zeros(rows - flat.shape[0], flat.shape[1])])
-    return layer(padded)[: flat.shape[0]].view(*x.shape[:-1], -1)
+    rows = flat.shape[0]
+    padding = -rows % TILE_ROWS
+    if padding:
+        flat = torch.cat([flat, flat.new_zeros(padding, flat.shape[1])])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = torch.cat([layer(tile) for tile in flat.split(TILE_ROWS)])
+    finally:
+        torch.set_num_threads(threads)
+    return out[:rows].view(*x.shape[:-1], -1)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pdserve.kernels import step_ops
 from pdserve.models import checkpoint
 from pdserve.models.decoder import DecoderOnly, parameter_count
 from pdserve.models.llama import LlamaForCausalLM
-from pdserve.models.quantized import PaddedRows, Q4Linear, Q4Source
+from pdserve.models.quantized import PaddedRows, WidePass, Q4Source
 from pdserve.models.tinygpt import TinyGPT
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,15 @@ def build(config: ModelConfig, source: Path | None, gguf: Path | None = None) ->
 
 
 def with_numerics(model: DecoderOnly, numerics: str) -> DecoderOnly:
-    """Invariant numerics: every q4 pass on the int4 kernel, every dense layer given at least 4
+    """Invariant numerics: every quantized pass on its layer's kernel, every dense layer given at least 4
     rows (quantized.py says why); fast numerics change nothing. Attention reads the
     setting from the config (attention.kernels)."""
     if numerics != "invariant":
         return model
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if isinstance(child, Q4Linear):
-                child.wide_rows = None
+            if isinstance(child, WidePass):
+                child.widens = False
             elif isinstance(child, nn.Linear):
                 setattr(parent, name, PaddedRows(child))
     return model
