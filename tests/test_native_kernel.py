@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdserve.kernels import native
+from pdserve.models.onednn import reordered_bf16_here
 from pdserve.models.quantized import (
     BF16_WIDE_ROWS,
     WIDE_ROWS,
@@ -117,6 +118,8 @@ def test_a_bf16_wide_pass_multiplies_by_the_kernels_weights_in_bf16(head):
     assert layer.wide_dtype(BF16_WIDE_ROWS - 1, torch.bfloat16) is None
     assert layer.wide_dtype(BF16_WIDE_ROWS, torch.float32) is None  # float32 keeps its precision
     wide = layer(x)
+    if reordered_bf16_here():  # held reordered for oneDNN, once: the same bits as a plain GEMM
+        assert layer.reordered_bf16() is layer.reordered_bf16()
     held = layer.wide_weight(torch.bfloat16)
     assert held.dtype == torch.bfloat16 and held is layer.wide_weight(torch.bfloat16)
     assert torch.equal(held, layer.dense_weight().to(torch.bfloat16))

@@ -67,10 +67,10 @@ def test_rotary_equals_rope_py(dtype):
         torch.testing.assert_close(got_k, expected_k, rtol=1e-6, atol=1e-6)
 
 
-def _cache(dtype: str, kv_heads: int = 3, heads: int = 9) -> PagedCache:
+def _cache(dtype: str, kv_heads: int = 3, heads: int = 9, head_dim: int = 64) -> PagedCache:
     config = ModelConfig(
         architecture="LlamaForCausalLM",
-        d_model=heads * 64,
+        d_model=heads * head_dim,
         n_heads=heads,
         n_kv_heads=kv_heads,
         n_layers=2,
@@ -88,8 +88,17 @@ def _step(cache: PagedCache, tables, lengths, q, k, v, fused: bool):
     return cache.step_view(tables, lengths).attend(1, q, k, v)
 
 
+# (query heads, KV heads, head width): SmolLM2's shape (3 query heads a KV head, width 64, which
+# the kernel attends a group at a time), 2 and 4 a group, one, and widths it takes a head at a
+# time (128 with its width fixed, 32 on the generic loop).
+SHAPES = [(9, 3, 64), (4, 2, 64), (8, 2, 64), (4, 4, 64), (4, 2, 128), (6, 2, 32)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_paged_decode_matches_the_torch_path_and_writes_the_same_cache(dtype):
+def test_paged_decode_matches_the_torch_path_and_writes_the_same_cache(
+    dtype, heads, kv_heads, head_dim
+):
     torch_dtype = getattr(torch, dtype)
     pool = BlockPool(40, 16)
     lengths = [0, 5, 16, 31, 150, 47]  # an empty context, part of a block, whole blocks
@@ -97,19 +106,20 @@ def test_paged_decode_matches_the_torch_path_and_writes_the_same_cache(dtype):
     for table, n in zip(tables, lengths):
         table.ensure(n + 1)
     tables[2].blocks.reverse()  # blocks out of order: each position's block is looked up
-    q = torch.randn(6, 9, 64, generator=_gen(4)).to(torch_dtype)
-    k = torch.randn(6, 3, 64, generator=_gen(5)).to(torch_dtype)
-    v = torch.randn(6, 3, 64, generator=_gen(6)).to(torch_dtype)
-    fused_cache, torch_cache = _cache(dtype), _cache(dtype)
+    q = torch.randn(6, heads, head_dim, generator=_gen(4)).to(torch_dtype)
+    k = torch.randn(6, kv_heads, head_dim, generator=_gen(5)).to(torch_dtype)
+    v = torch.randn(6, kv_heads, head_dim, generator=_gen(6)).to(torch_dtype)
+    shape = (kv_heads, heads, head_dim)
+    fused_cache, torch_cache = _cache(dtype, *shape), _cache(dtype, *shape)
     got = _step(fused_cache, tables, lengths, q, k, v, fused=True)
     expected = _step(torch_cache, tables, lengths, q, k, v, fused=False)
-    assert got.dtype == torch_dtype and got.shape == (6, 9, 64)
+    assert got.dtype == torch_dtype and got.shape == (6, heads, head_dim)
     assert torch.equal(fused_cache.kv, torch_cache.kv)  # the new K and V at the same slots
     tolerance = 2e-6 if dtype == "float32" else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
     # Each sequence alone gets the bits it got in the batch.
     for i in (0, 4):
-        alone = _cache(dtype)
+        alone = _cache(dtype, *shape)
         one = _step(
             alone,
             tables[i : i + 1],

@@ -172,7 +172,7 @@ class LayerStep {
     phase([&](int64_t p, int64_t n) { norm_rows(x_, w_.input_norm, rows(p, n)); });
     phase([&](int64_t p, int64_t n) { multiply(w_.qkv, projected_.data(), p, n); });
     phase([&](int64_t p, int64_t n) { rotate_and_store(rows(p, n)); });
-    phase([&](int64_t p, int64_t n) { attend(share(s_.rows * s_.heads, p, n, 1)); });
+    phase([&](int64_t p, int64_t n) { attend(share(s_.rows * s_.kv_heads, p, n, 1)); });
     phase([&](int64_t p, int64_t n) { quantise(attended_.data(), s_.q_width(), rows(p, n)); });
     phase([&](int64_t p, int64_t n) { multiply(w_.o, mid_.data(), p, n); });
     phase([&](int64_t p, int64_t n) { residual_and_norm(rows(p, n)); });
@@ -218,18 +218,18 @@ class LayerStep {
     cache_.write(k, k + s_.kv_width(), r.first, r.second, stride);
   }
 
-  // Query heads [first, last) of the batch (sequence item / heads), as paged_decode attends them:
-  // the query widened to float32, the result rounded to T.
+  // KV heads [first, last) of the batch (sequence item / kv_heads), each with its query heads,
+  // as paged_decode attends them: the queries widened to float32, the results rounded to T.
   void attend(Span items) {
-    const int64_t d = s_.head_dim;
-    std::vector<float> query(d), result(d), scores;
+    const int64_t n = s_.heads / s_.kv_heads * s_.head_dim;  // a KV head's queries, consecutive
+    std::vector<float> query(n), result(n), scores;
     for (int64_t item = items.first; item < items.second; ++item) {
-      const int64_t i = item / s_.heads, h = item % s_.heads;
-      const T* q = projected_.data() + i * s_.qkv_width() + h * d;
-      for (int64_t c = 0; c < d; ++c) query[c] = widen(q[c]);
+      const int64_t i = item / s_.kv_heads, kv = item % s_.kv_heads;
+      const T* q = projected_.data() + i * s_.qkv_width() + kv * n;
+      for (int64_t c = 0; c < n; ++c) query[c] = widen(q[c]);
       cache_.attend(item, query.data(), result.data(), scores);
-      T* to = attended_.data() + item * d;
-      for (int64_t c = 0; c < d; ++c) to[c] = narrow<T>(result[c]);
+      T* to = attended_.data() + item * n;
+      for (int64_t c = 0; c < n; ++c) to[c] = narrow<T>(result[c]);
     }
   }
 

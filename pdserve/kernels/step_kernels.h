@@ -71,11 +71,14 @@ template <typename T>
 void rotate_head(T* v, const T* c, const T* s, int64_t dim, float* kept) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < dim; ++i) kept[i] = widen(v[i]);
-  for (int64_t i = 0; i < dim; ++i) {
-    // Rounded where torch rounds: x * cos is a tensor of the dtype, then one addcmul.
+  // Rounded where torch rounds: x * cos is a tensor of the dtype, then one addcmul. The partner
+  // of i is i + half in the first half and i - half in the second (no % per element).
+  const auto rotate = [&](int64_t i, int64_t partner) {
     const float scaled = widen(narrow<T>(kept[i] * widen(c[i])));
-    v[i] = narrow<T>(scaled + kept[(i + half) % dim] * widen(s[i]));
-  }
+    v[i] = narrow<T>(scaled + kept[partner] * widen(s[i]));
+  };
+  for (int64_t i = 0; i < half; ++i) rotate(i, i + half);
+  for (int64_t i = half; i < dim; ++i) rotate(i, i - half);
 }
 
 // ---- Paged decode attention -------------------------------------------------------------------
@@ -165,17 +168,20 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// One query head of one sequence: softmax(q . k_t / sqrt(dim)) . v_t over its `length` tokens.
-template <typename T>
-void attend_head(const float* q, const T* keys, const T* values, const int64_t* blocks,
-                 int64_t length, int64_t block_size, int64_t dim, float* scores, float* out) {
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-  float top = -INFINITY;
-  for (int64_t t = 0; t < length; ++t) {
-    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    scores[t] = dot(q, keys + slot * dim, dim) * scale;
-    top = std::max(top, scores[t]);
+// Calls visit(t, offset) for the tokens t < length of a sequence in order, offset being where
+// token t's row of `dim` starts in a layer's cache (its block's slot times dim). Block by block,
+// not t / block_size per token: that division cost as much as a token's dot product.
+template <typename Visit>
+inline void for_each_token(const int64_t* blocks, int64_t length, int64_t block_size, int64_t dim,
+                           Visit visit) {
+  for (int64_t first = 0, b = 0; first < length; first += block_size, ++b) {
+    const int64_t last = std::min(first + block_size, length), base = blocks[b] * block_size - first;
+    for (int64_t t = first; t < last; ++t) visit(t, (base + t) * dim);
   }
+}
+
+// exp(scores[t] - top) in place for t < length; returns their sum (8 lanes, then the tail).
+inline float exponentiate(float* scores, int64_t length, float top) {
   int64_t t = 0;
   __m256 total8 = _mm256_setzero_ps();
   for (; t + 8 <= length; t += 8) {
@@ -190,18 +196,155 @@ void attend_head(const float* q, const T* keys, const T* values, const int64_t* 
     scores[t] = tail[0];
     total += tail[0];
   }
+  return total;
+}
+
+// One query head of one sequence: softmax(q . k_t / sqrt(dim)) . v_t over its `length` tokens,
+// for any head width (dim % 8 == 0) and block size: the loop attend_group_fixed's shapes do
+// without.
+template <typename T>
+void attend_head(const float* q, const T* keys, const T* values, const int64_t* blocks,
+                 int64_t length, int64_t block_size, int64_t dim, float* scores, float* out) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  float top = -INFINITY;
+  for_each_token(blocks, length, block_size, dim, [&](int64_t t, int64_t at) {
+    scores[t] = dot(q, keys + at, dim) * scale;
+    top = std::max(top, scores[t]);
+  });
+  const float total = exponentiate(scores, length, top);
   std::vector<__m256> acc(dim / 8, _mm256_setzero_ps());
-  for (t = 0; t < length; ++t) {
-    const int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    const T* v = values + slot * dim;
+  for_each_token(blocks, length, block_size, dim, [&](int64_t t, int64_t at) {
     const __m256 w = _mm256_set1_ps(scores[t]);
     for (int64_t i = 0; i < dim / 8; ++i)
-      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(w, load8(v + i * 8)));
-  }
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(w, load8(values + at + i * 8)));
+  });
   const __m256 inverse = _mm256_set1_ps(1.f / total);
   for (int64_t i = 0; i < dim / 8; ++i) _mm256_storeu_ps(out + i * 8, _mm256_mul_ps(acc[i], inverse));
 }
 
+// The 8 sums of 8 vectors' lanes, [sum(p[0]), ..., sum(p[7])], by one fixed tree of adds.
+inline __m256 sums8(const __m256* p) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// The `Group` query heads that share one KV head of one sequence, q and out [Group][dim], for a
+// head of Vecs x 8 lanes and blocks of a multiple of 8 tokens. scores: Group x (length rounded up
+// to 8) floats.
+//   - Each row of K and V is loaded and widened once for the group (SmolLM2: 3 query heads per
+//     KV head): widening bf16 was most of a token's cost.
+//   - The sizes are constants, so the query's and the output's accumulators stay in registers.
+//   - Scores are summed 8 tokens at a time (sums8), not one horizontal sum per token. The last 8
+//     may run past `length` (never past its block, which holds a multiple of 8): those lanes
+//     are computed and dropped; no lane's sum reads another's.
+// A token's score and a lane's output are summed in one order wherever the token sits and
+// whatever the batch, so a sequence gets the same bits in any batch.
+template <typename T, int Vecs, int Group>
+void attend_group_fixed(const float* q, const T* keys, const T* values, const int64_t* blocks,
+                        int64_t length, int64_t block_size, float* scores, float* out) {
+  constexpr int64_t dim = Vecs * 8;
+  const int64_t stride = (length + 7) / 8 * 8;  // a head's scores
+  const __m256 scale = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(dim)));
+  __m256 top[Group];
+  for (int h = 0; h < Group; ++h) top[h] = _mm256_set1_ps(-INFINITY);
+  for (int64_t first = 0, b = 0; first < length; first += block_size, ++b) {
+    const T* block = keys + blocks[b] * block_size * dim;
+    for (int64_t t0 = first; t0 < std::min(first + block_size, length); t0 += 8) {
+      __m256 partial[Group][8];
+      for (int j = 0; j < 8; ++j) {
+        const T* k = block + (t0 - first + j) * dim;
+        __m256 kk[Vecs];
+        for (int i = 0; i < Vecs; ++i) kk[i] = load8(k + i * 8);
+        for (int h = 0; h < Group; ++h) {
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          for (int i = 0; i < Vecs; i += 2) {
+            a0 = _mm256_fmadd_ps(load8(q + h * dim + i * 8), kk[i], a0);
+            a1 = _mm256_fmadd_ps(load8(q + h * dim + i * 8 + 8), kk[i + 1], a1);
+          }
+          partial[h][j] = _mm256_add_ps(a0, a1);
+        }
+      }
+      const int valid = static_cast<int>(std::min<int64_t>(8, length - t0));
+      const __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+          _mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      for (int h = 0; h < Group; ++h) {
+        // Past `length`: -inf, which the maximum ignores and exp turns to 0.
+        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                          _mm256_mul_ps(sums8(partial[h]), scale), kept);
+        _mm256_storeu_ps(scores + h * stride + t0, s);
+        top[h] = _mm256_max_ps(top[h], s);
+      }
+    }
+  }
+  __m256 inverse[Group];
+  for (int h = 0; h < Group; ++h) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top[h]);
+    const float most = *std::max_element(lanes, lanes + 8);
+    inverse[h] = _mm256_set1_ps(1.f / exponentiate(scores + h * stride, length, most));
+  }
+  // Block by block, two vectors of every head's output per pass over the block's tokens:
+  // Group x 2 accumulators and the two of V fit AVX2's 16 registers, where all of a head's
+  // would not, and a block's rows of V (2 KB for SmolLM2) stay in L1 for its passes, where a
+  // pass over all tokens read them from L2 each time.
+  __m256 acc[Group][Vecs];
+  for (int h = 0; h < Group; ++h)
+    for (int i = 0; i < Vecs; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int64_t first = 0, b = 0; first < length; first += block_size, ++b) {
+    const T* block = values + blocks[b] * block_size * dim;
+    const int64_t rows = std::min(block_size, length - first);
+    for (int i = 0; i < Vecs; i += 2) {
+      __m256 sum[Group][2];
+      for (int h = 0; h < Group; ++h) sum[h][0] = acc[h][i], sum[h][1] = acc[h][i + 1];
+      for (int64_t j = 0; j < rows; ++j) {
+        const __m256 v0 = load8(block + j * dim + i * 8), v1 = load8(block + j * dim + i * 8 + 8);
+        for (int h = 0; h < Group; ++h) {
+          const __m256 w = _mm256_set1_ps(scores[h * stride + first + j]);
+          sum[h][0] = _mm256_fmadd_ps(w, v0, sum[h][0]);
+          sum[h][1] = _mm256_fmadd_ps(w, v1, sum[h][1]);
+        }
+      }
+      for (int h = 0; h < Group; ++h) acc[h][i] = sum[h][0], acc[h][i + 1] = sum[h][1];
+    }
+  }
+  for (int h = 0; h < Group; ++h)
+    for (int i = 0; i < Vecs; ++i)
+      _mm256_storeu_ps(out + h * dim + i * 8, _mm256_mul_ps(acc[h][i], inverse[h]));
+}
+
+// Calls fn with the attend_group_fixed that takes `group` heads of width `dim`, or returns false.
+template <typename T, typename Fn>
+bool with_group_kernel(int64_t group, int64_t dim, Fn fn) {
+  const auto widths = [&]<int Group>() {
+    if (dim == 64) return fn(attend_group_fixed<T, 8, Group>), true;
+    if (dim == 128) return fn(attend_group_fixed<T, 16, Group>), true;
+    return false;
+  };
+  switch (group) {
+    case 1: return widths.template operator()<1>();
+    case 2: return widths.template operator()<2>();
+    case 3: return widths.template operator()<3>();
+    case 4: return widths.template operator()<4>();
+    default: return false;
+  }
+}
+
+// `group` query heads sharing a KV head: attend_group_fixed where the shape is common (head width
+// 64 or 128, 1-4 heads a group, blocks of a multiple of 8 tokens), else a head at a time.
+// scores: at least group x (length + 7) floats.
+template <typename T>
+void attend_group(const float* q, const T* keys, const T* values, const int64_t* blocks,
+                  int64_t length, int64_t block_size, int64_t group, int64_t dim, float* scores,
+                  float* out) {
+  if (block_size % 8 == 0 && with_group_kernel<T>(group, dim, [&](auto kernel) {
+        kernel(q, keys, values, blocks, length, block_size, scores, out);
+      }))
+    return;
+  for (int64_t h = 0; h < group; ++h)
+    attend_head(q + h * dim, keys, values, blocks, length, block_size, dim, scores, out + h * dim);
+}
 
 // One layer's paged cache as attention reads it, for operands that check_paged accepted.
 template <typename T>
@@ -221,10 +364,10 @@ struct PagedLayer {
   // New K and V rows [first, last) of the step into their slots: k and v point at the first
   // row's, each row `row_stride` on, each head `dim` on.
   void write(const T* k, const T* v, int64_t first, int64_t last, int64_t row_stride) const {
-    const int64_t kv_heads = heads / group, rows = last - first;
-    write_slots(k + first * row_stride, rows, row_stride, kv_heads, dim, dim, key_cache.data_ptr<T>(),
+    const int64_t rows = last - first;
+    write_slots(k + first * row_stride, rows, row_stride, kv_heads(), dim, dim, key_cache.data_ptr<T>(),
                 slots + first, slot_count);
-    write_slots(v + first * row_stride, rows, row_stride, kv_heads, dim, dim, value_cache.data_ptr<T>(),
+    write_slots(v + first * row_stride, rows, row_stride, kv_heads(), dim, dim, value_cache.data_ptr<T>(),
                 slots + first, slot_count);
   }
 
@@ -236,13 +379,16 @@ struct PagedLayer {
                 value_cache.data_ptr<T>(), slots, slot_count);
   }
 
-  // Query head `item` (sequence item / heads, head item % heads): query [dim] -> out [dim].
+  int64_t kv_heads() const { return heads / group; }
+
+  // The query heads of KV head `item` (sequence item / kv_heads, KV head item % kv_heads):
+  // query [group, dim] -> out [group, dim].
   void attend(int64_t item, const float* query, float* out, std::vector<float>& scores) const {
-    const int64_t b = item / heads, kv = item % heads / group;
-    scores.resize(length[b]);
-    attend_head(query, key_cache.data_ptr<T>() + kv * slot_count * dim,
-                value_cache.data_ptr<T>() + kv * slot_count * dim, table + b * width, length[b],
-                block_size, dim, scores.data(), out);
+    const int64_t b = item / kv_heads(), kv = item % kv_heads();
+    scores.resize(group * (length[b] + 7));
+    attend_group(query, key_cache.data_ptr<T>() + kv * slot_count * dim,
+                 value_cache.data_ptr<T>() + kv * slot_count * dim, table + b * width, length[b],
+                 block_size, group, dim, scores.data(), out);
   }
 };
 

@@ -89,10 +89,11 @@ at::Tensor paged_decode_as(const at::Tensor& q, const at::Tensor& k, const at::T
   const float* qs = q32.data_ptr<float>();
   float* os = out32.data_ptr<float>();
   const int64_t dim = q.size(2);
-  at::parallel_for(0, q.size(0) * q.size(1), 1, [&](int64_t first, int64_t last) {
+  const int64_t group_size = cache.group * dim;  // a KV head's query heads, consecutive in q
+  at::parallel_for(0, q.size(0) * cache.kv_heads(), 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t item = first; item < last; ++item)
-      cache.attend(item, qs + item * dim, os + item * dim, scores);
+      cache.attend(item, qs + item * group_size, os + item * group_size, scores);
   });
   return out32.to(q.scalar_type());
 }

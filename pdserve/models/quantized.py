@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import native
+from pdserve.models.onednn import ReorderedBF16, reordered_bf16_here
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class WidePass(nn.Module):
         super().__init__()
         self.four_bit, self.widens, self.bf16_gemm = four_bit, True, bf16_gemm_here()
         self._wide: dict[torch.dtype, torch.Tensor] = {}
+        self._reordered: ReorderedBF16 | None = None
 
     def wide_dtype(self, rows: int, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype a pass of `rows` rows of `dtype` multiplies in; None: the layer's kernel."""
@@ -92,9 +94,20 @@ class WidePass(nn.Module):
         return torch.float32 if self.four_bit and rows >= WIDE_ROWS else None
 
     def wide(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """flat [rows, in] by the dense copy in `dtype`, returned in the input's dtype."""
+        """flat [rows, in] by the dense copy in `dtype`, returned in the input's dtype. In
+        bfloat16 (from bf16 activations) the copy is held reordered for oneDNN where torch
+        can, which computes the same bits in less time (pdserve/models/onednn.py)."""
+        if dtype == torch.bfloat16 and flat.dtype == torch.bfloat16 and reordered_bf16_here():
+            return self.reordered_bf16()(flat.contiguous())
         out = torch.nn.functional.linear(self.wide_input(flat, dtype), self.wide_weight(dtype))
         return out.to(flat.dtype)
+
+    def reordered_bf16(self) -> ReorderedBF16:
+        """The dense copy in bfloat16, reordered for oneDNN (made once; the plain copy is not
+        kept beside it)."""
+        if self._reordered is None:
+            self._reordered = ReorderedBF16(self.dense_weight())
+        return self._reordered
 
     def wide_input(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return flat.to(dtype)
