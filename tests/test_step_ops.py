@@ -132,6 +132,35 @@ def test_paged_decode_matches_the_torch_path_and_writes_the_same_cache(
         assert torch.equal(one, got[i : i + 1])
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_in_avx512_registers_gives_the_avx2_kernels_bits(dtype, heads, kv_heads, head_dim):
+    """attend_avx512.h promises the AVX2 kernel's bits, so that a sequence's tokens do not depend
+    on which of the two a machine runs. (Without AVX-512 both calls run the AVX2 kernel.)
+    Planted bug: the AVX-512 pass over V summing a block's tokens last to first fails 7 of these
+    10 cases, and none of the comparisons with torch above."""
+    torch_dtype = getattr(torch, dtype)
+    pool = BlockPool(40, 16)
+    lengths = [0, 5, 16, 31, 150, 47, 8, 9]
+    tables = [pool.reserve(n + 1) for n in lengths]
+    for table, n in zip(tables, lengths):
+        table.ensure(n + 1)
+    tables[4].blocks.reverse()
+    shape = (kv_heads, heads, head_dim)
+    q = torch.randn(8, heads, head_dim, generator=_gen(7)).to(torch_dtype)
+    k = torch.randn(8, kv_heads, head_dim, generator=_gen(8)).to(torch_dtype)
+    v = torch.randn(8, kv_heads, head_dim, generator=_gen(9)).to(torch_dtype)
+    outputs = []
+    for wide in (True, False):
+        before = torch.ops.pdserve.set_wide_attention(wide)
+        try:
+            outputs.append(_step(_cache(dtype, *shape), tables, lengths, q, k, v, fused=True))
+        finally:
+            torch.ops.pdserve.set_wide_attention(before)
+    assert torch.ops.pdserve.set_wide_attention(True) is True  # the default, left as found
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_paged_decode_refuses_what_would_read_or_write_outside_the_cache():
     cache = _cache("float32")
     keys, values = cache.kv[0, 0], cache.kv[0, 1]

@@ -1,7 +1,8 @@
 """Build and load pdserve's native library: the AVX2 kernel for llama.cpp's Q4_1 and Q8_0
 blocks (blocks_avx2.cpp: the other q4 kernel beside torch's, and the Q8_0 output head of a q4
-model on it), the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py), and a decode
-step's Llama layers in one call over them (decode_layer.cpp).
+model on it), the fused step ops (step_ops.cpp, `--step-ops`, see step_ops.py; their decode
+attention in AVX-512 registers where the CPU has them, attend_avx512.h), and a decode step's
+Llama layers in one call over them (decode_layer.cpp).
 
 `--q4-kernel` picks how q4 layers multiply:
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16
@@ -50,7 +51,7 @@ SOURCES = [
     for name in ("blocks_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
 ]
 # The loops the sources share; hashed with them, so a changed header rebuilds the library too.
-HEADERS = [Path(__file__).with_name(name) for name in ("blocks_avx2.h", "step_kernels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("blocks_avx2.h", "step_kernels.h", "attend_avx512.h")]
 LIBRARY_PREFIX = "pdserve_native-"
 # -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape
 # and not in another, and a row's result would depend on how many rows share its call.

@@ -314,12 +314,20 @@ void attend_group_fixed(const float* q, const T* keys, const T* values, const in
       _mm256_storeu_ps(out + h * dim + i * 8, _mm256_mul_ps(acc[h][i], inverse[h]));
 }
 
-// Calls fn with the attend_group_fixed that takes `group` heads of width `dim`, or returns false.
+}  // namespace pdserve::step
+
+#include "attend_avx512.h"
+
+namespace pdserve::step {
+
+// Calls fn with the attend_group_fixed that takes `group` heads of width `dim` (its AVX-512 form
+// where the CPU has it: the same bits), or returns false.
 template <typename T, typename Fn>
 bool with_group_kernel(int64_t group, int64_t dim, Fn fn) {
+  const bool wide = wide_attention_here();
   const auto widths = [&]<int Group>() {
-    if (dim == 64) return fn(attend_group_fixed<T, 8, Group>), true;
-    if (dim == 128) return fn(attend_group_fixed<T, 16, Group>), true;
+    if (dim == 64) return fn(wide ? attend_group512<T, 4, Group> : attend_group_fixed<T, 8, Group>), true;
+    if (dim == 128) return fn(wide ? attend_group512<T, 8, Group> : attend_group_fixed<T, 16, Group>), true;
     return false;
   };
   switch (group) {

@@ -110,9 +110,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
       q, k, v, PagedLayer<BFloat16>(key_cache, value_cache, new_slots, blocks, lengths, heads, block_size));
 }
 
+// Whether decode attention may run its AVX-512 kernel where the CPU has one (the default); returns
+// the previous setting. For tests and benchmarks, which compare it with the AVX2 kernel.
+bool set_wide_attention(bool wanted) { return wide_attention_wanted.exchange(wanted); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("set_wide_attention(bool wanted) -> bool", TORCH_FN(set_wide_attention));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def(
