@@ -176,6 +176,8 @@ def test_paged_decode_refuses_what_would_read_or_write_outside_the_cache():
         op(q, kv, kv, keys, values, torch.tensor([3]), blocks, torch.tensor([33]), 16)
     with pytest.raises(RuntimeError, match="share a dtype"):
         op(q, kv.bfloat16(), kv, keys, values, torch.tensor([3]), blocks, length, 16)
+    with pytest.raises(RuntimeError, match="share a dtype"):  # q is read in the cache's dtype
+        op(q.bfloat16(), kv, kv, keys, values, torch.tensor([3]), blocks, length, 16)
     with pytest.raises(RuntimeError, match="do not agree"):
         op(torch.zeros(1, 8, 64), kv, kv, keys, values, torch.tensor([3]), blocks, length, 16)
     assert torch.equal(cache.kv, before)  # refused before anything was written

@@ -222,14 +222,11 @@ class LayerStep {
   // as paged_decode attends them: the queries widened to float32, the results rounded to T.
   void attend(Span items) {
     const int64_t n = s_.heads / s_.kv_heads * s_.head_dim;  // a KV head's queries, consecutive
-    std::vector<float> query(n), result(n), scores;
+    typename PagedLayer<T>::Buffers buffers;
     for (int64_t item = items.first; item < items.second; ++item) {
       const int64_t i = item / s_.kv_heads, kv = item % s_.kv_heads;
       const T* q = projected_.data() + i * s_.qkv_width() + kv * n;
-      for (int64_t c = 0; c < n; ++c) query[c] = widen(q[c]);
-      cache_.attend(item, query.data(), result.data(), scores);
-      T* to = attended_.data() + item * n;
-      for (int64_t c = 0; c < n; ++c) to[c] = narrow<T>(result[c]);
+      cache_.attend_rounded(item, q, s_.head_dim, attended_.data() + item * n, buffers);
     }
   }
 

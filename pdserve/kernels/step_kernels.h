@@ -130,8 +130,8 @@ inline void check_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && key_cache.dim() == 3 &&
                   k.size(1) == key_cache.size(0),
               "paged_decode: shapes of q, k, v and the cache do not agree (dim % 8 == 0)");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(),
-              "paged_decode: k, v and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "paged_decode: q, k, v and the caches must share a dtype");
   TORCH_CHECK(new_slots.numel() == k.size(0), "paged_decode: one int64 slot per new row of k and v");
   check_cache(q.size(0), q.size(1), q.size(2), k.scalar_type(), key_cache, value_cache, new_slots,
               blocks, lengths, block_size);
@@ -389,6 +389,11 @@ struct PagedLayer {
 
   int64_t kv_heads() const { return heads / group; }
 
+  // A thread's float32 buffers for attend_rounded, reused item after item.
+  struct Buffers {
+    std::vector<float> query, result, scores;
+  };
+
   // The query heads of KV head `item` (sequence item / kv_heads, KV head item % kv_heads):
   // query [group, dim] -> out [group, dim].
   void attend(int64_t item, const float* query, float* out, std::vector<float>& scores) const {
@@ -397,6 +402,18 @@ struct PagedLayer {
     attend_group(query, key_cache.data_ptr<T>() + kv * slot_count * dim,
                  value_cache.data_ptr<T>() + kv * slot_count * dim, table + b * width, length[b],
                  block_size, group, dim, scores.data(), out);
+  }
+
+  // attend() from queries in T, each item's widened to float32 as it is attended, and into
+  // out [group, dim] rounded to T: no float32 copy of the whole batch's queries or results.
+  // q: the item's first query head; its heads `head_stride` apart.
+  void attend_rounded(int64_t item, const T* q, int64_t head_stride, T* out, Buffers& b) const {
+    b.query.resize(group * dim);
+    b.result.resize(group * dim);
+    for (int64_t h = 0; h < group; ++h)
+      for (int64_t c = 0; c < dim; ++c) b.query[h * dim + c] = widen(q[h * head_stride + c]);
+    attend(item, b.query.data(), b.result.data(), b.scores);
+    for (int64_t c = 0; c < group * dim; ++c) out[c] = narrow<T>(b.result[c]);
   }
 };
 

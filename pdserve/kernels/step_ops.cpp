@@ -84,18 +84,19 @@ template <typename T>
 at::Tensor paged_decode_as(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const PagedLayer<T>& cache) {
   cache.write(k, v);
-  const at::Tensor q32 = q.to(at::kFloat).contiguous();
-  auto out32 = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const float* qs = q32.data_ptr<float>();
-  float* os = out32.data_ptr<float>();
-  const int64_t dim = q.size(2);
-  const int64_t group_size = cache.group * dim;  // a KV head's query heads, consecutive in q
-  at::parallel_for(0, q.size(0) * cache.kv_heads(), 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores;
-    for (int64_t item = first; item < last; ++item)
-      cache.attend(item, qs + item * group_size, os + item * group_size, scores);
+  auto out = at::empty(q.sizes(), q.options());
+  const T* qs = q.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  const int64_t kv_heads = cache.kv_heads(), group_size = cache.group * q.size(2);
+  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t first, int64_t last) {
+    typename PagedLayer<T>::Buffers buffers;
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t row = item / kv_heads, head = item % kv_heads * cache.group;
+      cache.attend_rounded(item, qs + row * q.stride(0) + head * q.stride(1), q.stride(1),
+                           os + item * group_size, buffers);
+    }
   });
-  return out32.to(q.scalar_type());
+  return out;
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
