@@ -49,8 +49,15 @@ class AttentionOp:
 
     def __call__(self) -> torch.Tensor:
         return torch.ops.pdserve.paged_decode(
-            self.q, self.k, self.v, self.keys, self.values, self.slots, self.table,
-            self.lengths, BLOCK_SIZE,
+            self.q,
+            self.k,
+            self.v,
+            self.keys,
+            self.values,
+            self.slots,
+            self.table,
+            self.lengths,
+            BLOCK_SIZE,
         )
 
 
@@ -98,7 +105,10 @@ def main() -> None:
     for (what, batch), (_, same) in subjects.items():
         wide, avx2 = times[((what, batch), True)], times[((what, batch), False)]
         r = {
-            "what": what, "batch": batch, "wide_ms": spread(wide), "avx2_ms": spread(avx2),
+            "what": what,
+            "batch": batch,
+            "wide_ms": spread(wide),
+            "avx2_ms": spread(avx2),
             "avx2_over_wide": spread(a / w for a, w in zip(avx2, wide)),
         }
         if same is not None:
@@ -111,9 +121,14 @@ def main() -> None:
             + (f", bits identical: {same}" if same is not None else "")
         )
     conditions = {
-        "model": MODEL, "kv_dtype": "bfloat16", "weights": "q4 (native kernel)",
-        "context_tokens": args.context, "threads": args.threads, "repeats": args.repeats,
-        "inner_calls": INNER, "torch": torch.__version__,
+        "model": MODEL,
+        "kv_dtype": "bfloat16",
+        "weights": "q4 (native kernel)",
+        "context_tokens": args.context,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "inner_calls": INNER,
+        "torch": torch.__version__,
         "workload": "attention op: one layer's paged_decode; decode step: a whole served step",
     }
     write_results(args.out, conditions, rows=rows)

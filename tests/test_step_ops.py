@@ -134,7 +134,9 @@ def test_paged_decode_matches_the_torch_path_and_writes_the_same_cache(
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attention_in_avx512_registers_gives_the_avx2_kernels_bits(dtype, heads, kv_heads, head_dim):
+def test_attention_in_avx512_registers_gives_the_avx2_kernels_bits(
+    dtype, heads, kv_heads, head_dim
+):
     """attend_avx512.h promises the AVX2 kernel's bits, so that a sequence's tokens do not depend
     on which of the two a machine runs. (Without AVX-512 both calls run the AVX2 kernel.)
     Planted bug: the AVX-512 pass over V summing a block's tokens last to first fails 7 of these

@@ -51,7 +51,10 @@ SOURCES = [
     for name in ("blocks_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
 ]
 # The loops the sources share; hashed with them, so a changed header rebuilds the library too.
-HEADERS = [Path(__file__).with_name(name) for name in ("blocks_avx2.h", "step_kernels.h", "attend_avx512.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("blocks_avx2.h", "step_kernels.h", "attend_avx512.h")
+]
 LIBRARY_PREFIX = "pdserve_native-"
 # -ffp-contract=off: the compiler may otherwise fuse a scalar multiply and add in one tile shape
 # and not in another, and a row's result would depend on how many rows share its call.
