@@ -513,6 +513,13 @@ class ColocatedSettings:
         "over several steps; 0 for the plain loop (a whole prefill batch, then a decode step)",
         flag="prefill-chunk-tokens",
     )
+    idle_chunk_tokens: int = setting(
+        2048,
+        "prompt tokens a chunked step may carry when no decode is running: no stream waits on "
+        "that step, so prompts that arrive together start together (vLLM's CPU server caps "
+        "every step at 2048 tokens); below --prefill-chunk-tokens it is that",
+        flag="idle-prefill-chunk-tokens",
+    )
     http_port: int = setting(
         0,
         "port of the OpenAI-compatible HTTP API, as the router serves it (docs/api.md), on "
@@ -526,6 +533,11 @@ class ColocatedSettings:
             raise ValueError(
                 f"--prefill-chunk-tokens (PDSERVE_PREFILL_CHUNK_TOKENS) must be >= 0, "
                 f"got {self.chunk_tokens}"
+            )
+        if self.idle_chunk_tokens < 0:
+            raise ValueError(
+                f"--idle-prefill-chunk-tokens (PDSERVE_IDLE_PREFILL_CHUNK_TOKENS) must be >= 0, "
+                f"got {self.idle_chunk_tokens}"
             )
 
 

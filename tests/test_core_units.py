@@ -215,17 +215,18 @@ def test_an_abort_racing_the_step_end_still_frees_the_blocks():
     assert scheduler.running == [] and table.released and pool.available_blocks == 8
 
 
-def colocated_engine(chunk_tokens: int):
+def colocated_engine(chunk_tokens: int, idle_chunk_tokens: int = 0):
+    """TinyGPT's colocated engine; by default its steps without decodes chunk prompts as the
+    others do."""
     from pdserve.models.loading import load_served_model
     from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
     from pdserve.services.colocated.engine import ColocatedEngine
 
     common = CommonSettings()
+    decode = DecodeSettings(common, num_blocks=64)
     return ColocatedEngine(
         load_served_model("tinygpt"),
-        ColocatedSettings(
-            common, DecodeSettings(common, num_blocks=64), PrefillSettings(common), chunk_tokens
-        ),
+        ColocatedSettings(common, decode, PrefillSettings(common), chunk_tokens, idle_chunk_tokens),
     )
 
 
@@ -264,6 +265,28 @@ def test_chunked_prefill_cancelled_at_any_point_frees_the_reservation(cancel_aft
         engine.step()
     assert handle.table.released and engine.pool.available_blocks == 64
     assert not engine.has_work()
+
+
+def test_a_step_without_decodes_takes_the_idle_budget_and_one_with_them_the_chunk():
+    """16-token chunks, 64 while idle: a 40-token prompt alone is prefilled in one step; the
+    same prompt arriving while it decodes takes three, so the stream waits at most a chunk."""
+    engine = colocated_engine(chunk_tokens=16, idle_chunk_tokens=64)
+    spec = SamplingSpec(max_tokens=8, ignore_eos=True)  # the first decodes through all 3 steps
+    first = engine.submit(GenerateSpec("a", tuple(range(40)), spec), lambda emission: None)
+    engine.step()
+    assert first.sequence is not None  # its whole prompt in the first step
+    second = engine.submit(GenerateSpec("b", tuple(range(50, 90)), spec), lambda emission: None)
+    steps = 0
+    while second.sequence is None:
+        engine.step()
+        steps += 1
+        assert steps <= 3
+    assert steps == 3  # 16 + 16 + 8 prompt tokens beside the first one's decodes
+    for _ in range(20):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work() and engine.pool.available_blocks == 64
 
 
 def test_a_sequence_whose_blocks_are_back_is_not_counted_as_running():

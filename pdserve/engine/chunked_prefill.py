@@ -115,7 +115,8 @@ class ChunkQueue:
 
 
 class ChunkedPrefill:
-    """Steps that carry every running decode plus the next prompt pieces, within `budget`.
+    """Steps that carry every running decode plus the next prompt pieces, within `budget`; a
+    step with no decode in it, within `idle_budget`.
 
     `service` labels the metrics. `add` and `abort` may be called from any thread; `step` only
     from the engine thread, which carries out the cancels at its top."""
@@ -127,10 +128,13 @@ class ChunkedPrefill:
         budget: int,
         service: str,
         jobs: PrefillScheduler | None = None,
+        idle_budget: int = 0,
     ) -> None:
-        """`jobs`: where handles with a `job` wait (the colocated engine's unchunked schedule)."""
+        """`jobs`: where handles with a `job` wait (the colocated engine's unchunked schedule).
+        `idle_budget`: prompt tokens a step may carry when no decode runs (at least `budget`)."""
         self.runner, self.decode, self.jobs = runner, decode, jobs
         self.budget, self.service = budget, service
+        self.idle_budget = max(budget, idle_budget)
         self.chunks = ChunkQueue()
         self.cancels: Cancellations[Handle] = Cancellations()
 
@@ -146,7 +150,9 @@ class ChunkedPrefill:
         first tokens."""
         self.apply_cancels()
         batch = self.decode.schedule()
-        chunks = self.chunks.take(self.budget)
+        # The budget bounds how long a step keeps the running streams from their next token.
+        # A step without them keeps no one waiting, so a burst of prompts starts together.
+        chunks = self.chunks.take(self.budget if batch else self.idle_budget)
         for chunk in chunks:
             chunk.handle.first_chunk_at = chunk.handle.first_chunk_at or time.perf_counter()
         if not batch and not chunks:

@@ -3,7 +3,8 @@
 Two schedules (--prefill-chunk-tokens):
   chunked (default, as vLLM's and Sarathi-Serve's): every step is one forward pass carrying every
           running decode plus at most `chunk_tokens` prompt tokens, so a long prompt is spread
-          over several steps and the streams beside it keep getting tokens;
+          over several steps and the streams beside it keep getting tokens; a step with no
+          decode to carry takes up to `idle_chunk_tokens` (--idle-prefill-chunk-tokens);
   plain   (0): a whole prefill batch when one waits, then a decode step for all.
 Prefill writes its KV straight into the paged cache, the in-process equivalent of the handoff.
 """
@@ -38,7 +39,12 @@ class ColocatedEngine:
         self.decode = DecodeScheduler(runner, served.tokenizer, d.max_batch)
         self.chunk_tokens = settings.chunk_tokens
         self.chunked = ChunkedPrefill(
-            runner, self.decode, settings.chunk_tokens, "colocated", jobs=self.prefill
+            runner,
+            self.decode,
+            settings.chunk_tokens,
+            "colocated",
+            jobs=self.prefill,
+            idle_budget=settings.idle_chunk_tokens,
         )
         self.scores = ScoreQueue(self.model)  # echo's prompt logprobs, between steps
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self._crashed)
