@@ -98,24 +98,11 @@ void attend_group512(const float* q, const T* keys, const T* values, const int64
     for (int64_t t0 = first; t0 < std::min(first + block_size, length); t0 += 8) {
       __m256 partial[Group][8];
       partial_scores512<T, Pairs, Group>(q, block + (t0 - first) * dim, partial);
-      const int valid = static_cast<int>(std::min<int64_t>(8, length - t0));
-      const __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-          _mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      for (int h = 0; h < Group; ++h) {
-        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                          _mm256_mul_ps(sums8(partial[h]), scale), kept);
-        _mm256_storeu_ps(scores + h * stride + t0, s);
-        top[h] = _mm256_max_ps(top[h], s);
-      }
+      keep_scores<Group>(partial, scale, length, t0, scores, stride, top);
     }
   }
   __m256 inverse[Group];
-  for (int h = 0; h < Group; ++h) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, top[h]);
-    const float most = *std::max_element(lanes, lanes + 8);
-    inverse[h] = _mm256_set1_ps(1.f / exponentiate(scores + h * stride, length, most));
-  }
+  softmax_numerators<Group>(top, scores, stride, length, inverse);
   // Every head's whole output in registers where it fits 16 of the 32 (SmolLM2: 3 x 4).
   constexpr int Chunk = Group * Pairs <= 16 ? Pairs : Pairs / 2;
   __m512 acc[Group][Pairs];

@@ -230,6 +230,35 @@ inline __m256 sums8(const __m256* p) {
                        _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+// The scores of tokens t0..t0+7 for each of `Group` heads, from their 8 partial vectors each:
+// summed (sums8), scaled, stored at scores[h * stride + t0], and folded into the running maxima.
+// Past `length` a score is -inf, which the maximum ignores and exp turns to 0.
+template <int Group>
+inline void keep_scores(const __m256 (&partial)[Group][8], __m256 scale, int64_t length,
+                        int64_t t0, float* scores, int64_t stride, __m256 (&top)[Group]) {
+  const int valid = static_cast<int>(std::min<int64_t>(8, length - t0));
+  const __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+      _mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  for (int h = 0; h < Group; ++h) {
+    const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                      _mm256_mul_ps(sums8(partial[h]), scale), kept);
+    _mm256_storeu_ps(scores + h * stride + t0, s);
+    top[h] = _mm256_max_ps(top[h], s);
+  }
+}
+
+// Each head's scores turned in place into exp(score - max), and 1 / their sum in inverse[h].
+template <int Group>
+inline void softmax_numerators(const __m256 (&top)[Group], float* scores, int64_t stride,
+                               int64_t length, __m256 (&inverse)[Group]) {
+  for (int h = 0; h < Group; ++h) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top[h]);
+    const float most = *std::max_element(lanes, lanes + 8);
+    inverse[h] = _mm256_set1_ps(1.f / exponentiate(scores + h * stride, length, most));
+  }
+}
+
 // The `Group` query heads that share one KV head of one sequence, q and out [Group][dim], for a
 // head of Vecs x 8 lanes and blocks of a multiple of 8 tokens. scores: Group x (length rounded up
 // to 8) floats.
@@ -266,25 +295,11 @@ void attend_group_fixed(const float* q, const T* keys, const T* values, const in
           partial[h][j] = _mm256_add_ps(a0, a1);
         }
       }
-      const int valid = static_cast<int>(std::min<int64_t>(8, length - t0));
-      const __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-          _mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      for (int h = 0; h < Group; ++h) {
-        // Past `length`: -inf, which the maximum ignores and exp turns to 0.
-        const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                          _mm256_mul_ps(sums8(partial[h]), scale), kept);
-        _mm256_storeu_ps(scores + h * stride + t0, s);
-        top[h] = _mm256_max_ps(top[h], s);
-      }
+      keep_scores<Group>(partial, scale, length, t0, scores, stride, top);
     }
   }
   __m256 inverse[Group];
-  for (int h = 0; h < Group; ++h) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, top[h]);
-    const float most = *std::max_element(lanes, lanes + 8);
-    inverse[h] = _mm256_set1_ps(1.f / exponentiate(scores + h * stride, length, most));
-  }
+  softmax_numerators<Group>(top, scores, stride, length, inverse);
   // Block by block, two vectors of every head's output per pass over the block's tokens:
   // Group x 2 accumulators and the two of V fit AVX2's 16 registers, where all of a head's
   // would not, and a block's rows of V (2 KB for SmolLM2) stay in L1 for its passes, where a
