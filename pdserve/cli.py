@@ -60,6 +60,15 @@ def _serve(args) -> int:
         q4_kernel=common.q4_kernel,
         step_ops=common.step_ops,
     )
+    if args.role in ("prefill", "colocated"):  # they prefill every prompt they serve
+        from pdserve.engine.model_runner import WARM_UP_TOKENS, warm_up
+
+        seconds = warm_up(model.built)
+        logging.getLogger("pdserve").info(
+            "warmed up: a %d-token prompt in %.2f s, before the first request",
+            WARM_UP_TOKENS,
+            seconds,
+        )
     service = importlib.import_module(f"pdserve.services.{args.role}.server")
     tracing.configure(common.otlp_endpoint, args.role)
     try:

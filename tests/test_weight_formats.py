@@ -10,7 +10,16 @@ import tiny_checkpoints as tc
 from test_models import paged_decode_against_reference, prompts
 from pdserve.models.gguf_import import ensure_converted, q4_1_tensors, smollm2_gguf_path
 from pdserve.models.loading import load_served_model
-from pdserve.models.quantized import WIDE_ROWS, Int8Linear, Q4Linear, make_linear, q4_blocks
+from pdserve.engine.model_runner import WARM_UP_TOKENS, warm_up
+from pdserve.models.quantized import (
+    WIDE_ROWS,
+    Int8Linear,
+    Q4Linear,
+    WidePass,
+    bf16_gemm_here,
+    make_linear,
+    q4_blocks,
+)
 from pdserve.settings import CommonSettings
 
 TOLERANCE = 1e-4
@@ -90,6 +99,19 @@ def test_a_q4_pass_of_many_rows_multiplies_by_the_same_weights_in_float32():
     scale, zero = held[..., 0].T[..., None], held[..., 1].T[..., None]
     as_held = ((codes.float().view(32, 2, 32) - 8) * scale + zero).view(32, 64)
     assert torch.equal(layer.wide_weight(torch.float32), as_held)
+
+
+def test_a_warm_up_makes_the_wide_pass_weights_before_the_first_request(checkpoint):
+    """What a service that prefills runs at start: after it, every quantized layer that a
+    prompt of WARM_UP_TOKENS rows takes wide holds its dense copy (none did before)."""
+    model = load_served_model(str(checkpoint), "bfloat16", weight_format="q4").built
+    layers = [m for m in model.modules() if isinstance(m, WidePass)]
+    wide = [m for m in layers if m.wide_dtype(WARM_UP_TOKENS, torch.bfloat16) is not None]
+    assert layers and all(m._reordered is None and not m._wide for m in layers)
+    assert warm_up(model) > 0
+    assert all(m._reordered is not None or m._wide for m in wide)
+    if bf16_gemm_here():  # a CPU with bf16 dot products takes 16 rows of bf16 wide
+        assert len(wide) == len(layers)
 
 
 def test_a_shape_the_4_bit_kernel_refuses_falls_back_to_int8():
