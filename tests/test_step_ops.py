@@ -140,7 +140,7 @@ def test_attention_in_avx512_registers_gives_the_avx2_kernels_bits(
     """attend_avx512.h promises the AVX2 kernel's bits, so that a sequence's tokens do not depend
     on which of the two a machine runs. (Without AVX-512 both calls run the AVX2 kernel.)
     Planted bug: the AVX-512 pass over V summing a block's tokens last to first fails 7 of these
-    10 cases, and none of the comparisons with torch above."""
+    12 cases (width 32 takes neither kernel), and none of the comparisons with torch above."""
     torch_dtype = getattr(torch, dtype)
     pool = BlockPool(40, 16)
     lengths = [0, 5, 16, 31, 150, 47, 8, 9]
