@@ -226,7 +226,7 @@ class LayerStep {
     for (int64_t item = items.first; item < items.second; ++item) {
       const int64_t i = item / s_.kv_heads, kv = item % s_.kv_heads;
       const T* q = projected_.data() + i * s_.qkv_width() + kv * n;
-      cache_.attend_rounded(item, q, s_.head_dim, attended_.data() + item * n, buffers);
+      cache_.attend(item, q, s_.head_dim, attended_.data() + item * n, buffers);
     }
   }
 

@@ -404,31 +404,25 @@ struct PagedLayer {
 
   int64_t kv_heads() const { return heads / group; }
 
-  // A thread's float32 buffers for attend_rounded, reused item after item.
+  // A thread's float32 buffers for attend, reused item after item.
   struct Buffers {
     std::vector<float> query, result, scores;
   };
 
-  // The query heads of KV head `item` (sequence item / kv_heads, KV head item % kv_heads):
-  // query [group, dim] -> out [group, dim].
-  void attend(int64_t item, const float* query, float* out, std::vector<float>& scores) const {
+  // The query heads of KV head `item` (sequence item / kv_heads, KV head item % kv_heads), read
+  // in T from q (the item's first head; its heads `head_stride` apart) and widened to float32
+  // here, one item at a time: out [group, dim], rounded to T.
+  void attend(int64_t item, const T* q, int64_t head_stride, T* out, Buffers& buf) const {
     const int64_t b = item / kv_heads(), kv = item % kv_heads();
-    scores.resize(group * (length[b] + 7));
-    attend_group(query, key_cache.data_ptr<T>() + kv * slot_count * dim,
-                 value_cache.data_ptr<T>() + kv * slot_count * dim, table + b * width, length[b],
-                 block_size, group, dim, scores.data(), out);
-  }
-
-  // attend() from queries in T, each item's widened to float32 as it is attended, and into
-  // out [group, dim] rounded to T: no float32 copy of the whole batch's queries or results.
-  // q: the item's first query head; its heads `head_stride` apart.
-  void attend_rounded(int64_t item, const T* q, int64_t head_stride, T* out, Buffers& b) const {
-    b.query.resize(group * dim);
-    b.result.resize(group * dim);
+    buf.query.resize(group * dim);
+    buf.result.resize(group * dim);
+    buf.scores.resize(group * (length[b] + 7));
     for (int64_t h = 0; h < group; ++h)
-      for (int64_t c = 0; c < dim; ++c) b.query[h * dim + c] = widen(q[h * head_stride + c]);
-    attend(item, b.query.data(), b.result.data(), b.scores);
-    for (int64_t c = 0; c < group * dim; ++c) out[c] = narrow<T>(b.result[c]);
+      for (int64_t c = 0; c < dim; ++c) buf.query[h * dim + c] = widen(q[h * head_stride + c]);
+    attend_group(buf.query.data(), key_cache.data_ptr<T>() + kv * slot_count * dim,
+                 value_cache.data_ptr<T>() + kv * slot_count * dim, table + b * width, length[b],
+                 block_size, group, dim, buf.scores.data(), buf.result.data());
+    for (int64_t c = 0; c < group * dim; ++c) out[c] = narrow<T>(buf.result[c]);
   }
 };
 

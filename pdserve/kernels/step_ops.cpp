@@ -92,7 +92,7 @@ at::Tensor paged_decode_as(const at::Tensor& q, const at::Tensor& k, const at::T
     typename PagedLayer<T>::Buffers buffers;
     for (int64_t item = first; item < last; ++item) {
       const int64_t row = item / kv_heads, head = item % kv_heads * cache.group;
-      cache.attend_rounded(item, qs + row * q.stride(0) + head * q.stride(1), q.stride(1),
+      cache.attend(item, qs + row * q.stride(0) + head * q.stride(1), q.stride(1),
                            os + item * group_size, buffers);
     }
   });
