@@ -9,9 +9,10 @@ What the step spends beyond the floor is per-op overhead, RoPE, norms and attent
 q4 runs on either kernel (q4:torch, q4:native; pdserve/kernels/native.py); each is its own floor.
 --step-ops torch native runs each format with torch's ops and with the fused native step ops
 (pdserve/kernels/step_ops.py) for the rest of the step, interleaved, and gives their ratio.
---layers whole ops runs the native q4 step with all its layers in one native call
-(pdserve/kernels/decode_layer.cpp, what serving runs) and with its ops called one by one from
-Python, interleaved, and gives their ratio.
+--layers whole ops runs the step with all its layers in one native call (what serving runs:
+pdserve/kernels/decode_layer.cpp on the q4 kernel below 8 rows, decode_wide.cpp on a bf16 wide
+pass from there) and with its ops called one by one from Python, interleaved, and gives their
+ratio.
 --head served int8 runs each format with the output head it serves (Q8_0 on the native q4
 kernel, quantized.output_head) and with the int8-per-row head (torch._weight_int8pack_mm) that
 every quantized format served before, interleaved, and gives their ratio.
@@ -74,8 +75,9 @@ class Setup:
             MODEL, weight_format=weights, q4_kernel=kernel or "torch", step_ops=step_ops
         )
         self.model = self.served.built
-        if layers == "ops":  # each layer's ops one by one from Python, as before decode_layer.cpp
+        if layers == "ops":  # each layer's ops one by one from Python, as before one native call
             self.model._whole_layers = False  # type: ignore[attr-defined]
+            self.model._wide_layers = False  # type: ignore[attr-defined]
         if head == "int8" and isinstance(self.model.lm_head, Q8Linear):
             # SmolLM2's head is tied: the embedding's weights, as the int8 head was made from.
             self.model.lm_head = Int8Linear(self.model.model.embed_tokens.weight, None)

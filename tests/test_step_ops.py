@@ -11,6 +11,7 @@ from pdserve.engine.paged_cache import PagedCache, PromptChunk
 from pdserve.kernels import native, step_ops
 from pdserve.models.llama import RMSNorm
 from pdserve.models.loading import load_served_model
+from pdserve.models.quantized import BF16_WIDE_ROWS, bf16_gemm_here
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -232,27 +233,14 @@ def test_the_layers_in_one_native_call_are_bit_identical_to_the_ops_one_by_one()
     with a prompt chunk keeps to the ops one by one."""
     served = load_served_model("smollm2-135m-instruct", weight_format="q4", q4_kernel="native")
     model = served.built
-    assert model.whole_layers(1) and not model.whole_layers(128)  # 128 rows: float32 matrices
-    pool = BlockPool(64, 16)
+    assert model._one_call(1) == "q4" and model._one_call(3) == "q4"
     lengths = [150, 3, 47]
-    tables = [pool.reserve(n + 1) for n in lengths]
-    for table, n in zip(tables, lengths):
-        table.ensure(n + 1)
-
-    def step(whole: bool, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = PagedCache(served.config, 64, 16)
-        cache.kv.normal_(generator=_gen(10))
-        model._whole_layers = whole
-        view = cache.step_view(tables[:batch], lengths[:batch])
-        assert view.decode_only
-        logits = model.decode_paged([5, 77, 1000][:batch], lengths[:batch], view)
-        return logits, cache.kv
-
+    tables = _tables(lengths, 64)
     try:
         for batch in (1, 3):
-            whole_logits, whole_kv = step(True, batch)
-            ops_logits, ops_kv = step(False, batch)
-            assert torch.equal(whole_logits, ops_logits) and torch.equal(whole_kv, ops_kv)
+            whole = _decode_step(model, "_whole_layers", True, tables, lengths[:batch], 64)
+            ops = _decode_step(model, "_whole_layers", False, tables, lengths[:batch], 64)
+            assert torch.equal(whole[0], ops[0]) and torch.equal(whole[1], ops[1])
     finally:
         model._whole_layers = True
     cache = PagedCache(served.config, 64, 16)
@@ -302,3 +290,76 @@ def test_the_layers_call_refuses_operands_that_do_not_agree():
         call(
             x, norms, post_norms, *common, qkv, o, gate_up, down, *odd_heads, *view.step_operands()
         )
+
+
+@pytest.mark.parametrize("weights,kernel", [("q4", "native"), ("q4", "torch"), ("int8", "torch")])
+def test_a_wide_step_in_one_native_call_is_bit_identical_to_the_ops_one_by_one(weights, kernel):
+    """decode_wide.cpp runs every layer of a decode-only step whose matrices multiply a bf16
+    wide pass (from BF16_WIDE_ROWS rows, where the CPU has bf16 dot products): the logits and
+    the K and V it writes are exactly those of llama.py's layer, op by op. Where the CPU has no
+    bf16 dot products, no step takes it."""
+    served = load_served_model("smollm2-135m-instruct", weight_format=weights, q4_kernel=kernel)
+    model = served.built
+    if not bf16_gemm_here():
+        assert model._one_call(16) is None
+        return
+    assert model._one_call(BF16_WIDE_ROWS - 1) in ("q4", None)
+    assert model._one_call(BF16_WIDE_ROWS) == "wide" and model._one_call(64) == "wide"
+    lengths = [150, 3, 47, 16, 15, 200, 33, 1, 99, 120, 7, 5, 80]
+    tables = _tables(lengths, 128)
+    try:
+        for batch in (BF16_WIDE_ROWS, len(lengths)):
+            wide = _decode_step(model, "_wide_layers", True, tables, lengths[:batch], 128)
+            ops = _decode_step(model, "_wide_layers", False, tables, lengths[:batch], 128)
+            assert torch.equal(wide[0], ops[0]) and torch.equal(wide[1], ops[1])
+    finally:
+        model._wide_layers = True
+
+
+def test_the_wide_layers_call_refuses_operands_that_do_not_agree():
+    """A wrong list, dtype or matrix is a Python error that names it, not a crash (on any CPU
+    with oneDNN: the call itself does not need bf16 dot products, only speed does)."""
+    served = load_served_model("smollm2-135m-instruct", weight_format="q4", q4_kernel="torch")
+    model = served.built
+    pool = BlockPool(64, 16)
+    tables = [pool.reserve(4) for _ in range(BF16_WIDE_ROWS)]
+    for table in tables:
+        table.ensure(4)
+    cache = PagedCache(served.config, 64, 16)
+    view = cache.step_view(tables, [3] * BF16_WIDE_ROWS)
+    x = torch.zeros(BF16_WIDE_ROWS, served.config.d_model, dtype=torch.bfloat16)
+    rotary = model.rotary(torch.tensor([3] * BF16_WIDE_ROWS))
+    norms, post_norms = model._layer_operands[:2]
+    qkv, o, gate_up, down = model.wide_matrices()
+    call = torch.ops.pdserve.decode_layers_wide
+    shape = (9, 3, 64, rotary.cos, rotary.sin_signed)
+    eps = served.config.norm_eps
+    with pytest.raises(RuntimeError, match="one norm pair and four matrices per layer"):
+        call(x, norms, post_norms, eps, qkv, o[:-1], gate_up, down, *shape, *view.step_operands())
+    with pytest.raises(RuntimeError, match="x must be a dense .* in bfloat16"):
+        call(
+            x.float(), norms, post_norms, eps, qkv, o, gate_up, down, *shape, *view.step_operands()
+        )
+    with pytest.raises(RuntimeError, match="o's matrix gives 960 columns, not 576"):
+        call(x, norms, post_norms, eps, qkv, qkv, gate_up, down, *shape, *view.step_operands())
+
+
+def _tables(lengths: list[int], blocks: int) -> list:
+    """A block table per sequence, each holding its length and one token more."""
+    pool = BlockPool(blocks, 16)
+    tables = [pool.reserve(n + 1) for n in lengths]
+    for table, n in zip(tables, lengths):
+        table.ensure(n + 1)
+    return tables
+
+
+def _decode_step(model, flag: str, on: bool, tables, lengths, blocks: int):
+    """One decode-only step of len(lengths) sequences over a seeded cache, with the model's
+    one-call `flag` set to `on`: (logits, the cache's K and V after it)."""
+    cache = PagedCache(model.config, blocks, 16)
+    cache.kv.normal_(generator=_gen(11))
+    setattr(model, flag, on)
+    view = cache.step_view(tables[: len(lengths)], lengths)
+    assert view.decode_only
+    tokens = [(5 + 997 * i) % model.config.vocab_size for i in range(len(lengths))]
+    return model.decode_paged(tokens, lengths, view), cache.kv

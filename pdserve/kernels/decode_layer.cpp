@@ -32,9 +32,10 @@ using pdserve::blocks::Q4_1;
 using pdserve::blocks::kBlock;
 using pdserve::blocks::multiply_range;
 using pdserve::blocks::quantize_rows;
-using pdserve::step::narrow;
 using pdserve::step::PagedLayer;
-using pdserve::step::widen;
+using pdserve::step::add_rows;
+using pdserve::step::attend_items;
+using pdserve::step::silu_times_up;
 
 // The threads of one parallel region, meeting between phases. at::parallel_for(0, parts, 1)
 // usually calls the body once per part, each on its own thread; a smaller team (or a call from
@@ -87,12 +88,6 @@ std::pair<int64_t, int64_t> share(int64_t total, int64_t part, int64_t parts, in
   const int64_t pieces = (total + align - 1) / align;
   return {std::min(total, pieces * part / parts * align),
           std::min(total, pieces * (part + 1) / parts * align)};
-}
-
-// x rounded to T after adding y, as torch adds two tensors of T.
-template <typename T>
-void add_rows(const T* x, const T* y, T* out, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) out[i] = narrow<T>(widen(x[i]) + widen(y[i]));
 }
 
 // A row's activations quantised per block of 32, as the q4 kernel takes them (blocks_avx2.h).
@@ -207,27 +202,13 @@ class LayerStep {
   }
 
   void rotate_and_store(Span r) {
-    const int64_t d = s_.head_dim, stride = s_.qkv_width();
-    std::vector<float> kept(d);
-    for (int64_t i = r.first; i < r.second; ++i) {
-      T* row = projected_.data() + i * stride;
-      for (int64_t h = 0; h < s_.heads + s_.kv_heads; ++h)  // q's heads, then k's
-        pdserve::step::rotate_head(row + h * d, cos_ + i * d, sin_ + i * d, d, kept.data());
-    }
-    const T* k = projected_.data() + s_.q_width();
-    cache_.write(k, k + s_.kv_width(), r.first, r.second, stride);
+    pdserve::step::rotate_and_store(projected_.data(), s_.heads, s_.kv_heads, s_.head_dim, cos_,
+                                    sin_, cache_, r.first, r.second);
   }
 
-  // KV heads [first, last) of the batch (sequence item / kv_heads), each with its query heads,
-  // as paged_decode attends them: the queries widened to float32, the results rounded to T.
   void attend(Span items) {
-    const int64_t n = s_.heads / s_.kv_heads * s_.head_dim;  // a KV head's queries, consecutive
-    typename PagedLayer<T>::Buffers buffers;
-    for (int64_t item = items.first; item < items.second; ++item) {
-      const int64_t i = item / s_.kv_heads, kv = item % s_.kv_heads;
-      const T* q = projected_.data() + i * s_.qkv_width() + kv * n;
-      cache_.attend(item, q, s_.head_dim, attended_.data() + item * n, buffers);
-    }
+    attend_items(projected_.data(), s_.heads, s_.kv_heads, s_.head_dim, cache_, attended_.data(),
+                 items.first, items.second);
   }
 
   // mid = x + o's output (in mid_), then its norm, quantised for gate_up.
@@ -237,24 +218,11 @@ class LayerStep {
     norm_rows(mid_.data(), w_.post_norm, r);
   }
 
-  // SiLU(gate) * up, quantised for down. SiLU is torch's own (at::silu_out, run inline inside
-  // this region), so that it rounds exactly as llama.py's F.silu does.
+  // SiLU(gate) * up, quantised for down.
   void gate(Span r) {
     if (r.first == r.second) return;
-    const int64_t hidden = s_.hidden, count = r.second - r.first;
-    const auto dtype = c10::CppTypeToScalarType<T>::value;
-    const auto options = at::TensorOptions().dtype(dtype);
-    T* gated = gated_.data() + r.first * hidden;
-    const at::Tensor gate_in = at::from_blob(both_.data() + r.first * 2 * hidden, {count, hidden},
-                                             {2 * hidden, 1}, options);
-    at::Tensor gate_out = at::from_blob(gated, {count, hidden}, options);
-    at::silu_out(gate_out, gate_in);
-    for (int64_t i = 0; i < count; ++i) {
-      const T* up = both_.data() + (r.first + i) * 2 * hidden + hidden;
-      for (int64_t c = 0; c < hidden; ++c)
-        gated[i * hidden + c] = narrow<T>(widen(gated[i * hidden + c]) * widen(up[c]));
-    }
-    quantise(gated_.data(), hidden, r);
+    silu_times_up(both_.data(), s_.hidden, r.first, r.second, gated_.data());
+    quantise(gated_.data(), s_.hidden, r);
   }
 
   const Shapes s_;

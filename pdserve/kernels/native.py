@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # layer over both.
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("blocks_avx2.cpp", "step_ops.cpp", "decode_layer.cpp")
+    for name in ("blocks_avx2.cpp", "step_ops.cpp", "decode_layer.cpp", "decode_wide.cpp")
 ]
 # The loops the sources share; hashed with them, so a changed header rebuilds the library too.
 HEADERS = [

@@ -426,4 +426,64 @@ struct PagedLayer {
   }
 };
 
+// ---- A layer's rows between its matrices (decode_layer.cpp, decode_wide.cpp) ---------------
+
+// x + y rounded to T, as torch adds two tensors of T.
+template <typename T>
+void add_rows(const T* x, const T* y, T* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = narrow<T>(widen(x[i]) + widen(y[i]));
+}
+
+// Rows [first, last) of qkv [rows, (heads + 2 kv_heads) * dim] (q's heads, k's, v's): RoPE on
+// q's and k's heads in place (cos and sin_signed [rows, dim]), then each row's K and V into its
+// slot of the cache.
+template <typename T>
+void rotate_and_store(T* qkv, int64_t heads, int64_t kv_heads, int64_t dim, const T* cos,
+                      const T* sin, const PagedLayer<T>& cache, int64_t first, int64_t last) {
+  const int64_t stride = (heads + 2 * kv_heads) * dim;
+  std::vector<float> kept(dim);
+  for (int64_t i = first; i < last; ++i) {
+    for (int64_t h = 0; h < heads + kv_heads; ++h)
+      rotate_head(qkv + i * stride + h * dim, cos + i * dim, sin + i * dim, dim, kept.data());
+  }
+  const T* k = qkv + heads * dim;
+  cache.write(k, k + kv_heads * dim, first, last, stride);
+}
+
+// KV heads [first, last) of the batch (sequence item / kv_heads), each with its query heads read
+// from qkv as rotate_and_store leaves it, attended as paged_decode attends them, into out
+// [rows, heads * dim].
+template <typename T>
+void attend_items(const T* qkv, int64_t heads, int64_t kv_heads, int64_t dim,
+                  const PagedLayer<T>& cache, T* out, int64_t first, int64_t last) {
+  const int64_t n = heads / kv_heads * dim;  // a KV head's queries, consecutive
+  const int64_t stride = (heads + 2 * kv_heads) * dim;
+  typename PagedLayer<T>::Buffers buffers;
+  for (int64_t item = first; item < last; ++item) {
+    const T* q = qkv + item / kv_heads * stride + item % kv_heads * n;
+    cache.attend(item, q, dim, out + item * n, buffers);
+  }
+}
+
+// Rows [first, last) of both [rows, 2 * hidden] (gate, then up): SiLU(gate) * up into gated
+// [rows, hidden]. SiLU is torch's own (at::silu_out, run inline inside a parallel region), so
+// that it rounds exactly as llama.py's F.silu does; the product rounds as torch multiplies.
+template <typename T>
+void silu_times_up(const T* both, int64_t hidden, int64_t first, int64_t last, T* gated) {
+  if (first == last) return;
+  const int64_t count = last - first;
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  T* out = gated + first * hidden;
+  const at::Tensor gate = at::from_blob(const_cast<T*>(both) + first * 2 * hidden,
+                                        {count, hidden}, {2 * hidden, 1}, options);
+  at::Tensor silu = at::from_blob(out, {count, hidden}, options);
+  at::silu_out(silu, gate);
+  for (int64_t i = 0; i < count; ++i) {
+    const T* up = both + (first + i) * 2 * hidden + hidden;
+    for (int64_t c = 0; c < hidden; ++c)
+      out[i * hidden + c] = narrow<T>(widen(out[i * hidden + c]) * widen(up[c]));
+  }
+}
+
+
 }  // namespace pdserve::step

@@ -19,10 +19,12 @@ from pdserve.models.quantized import (
     Q4Linear,
     Q8Linear,
     Q4Source,
+    WidePass,
     make_linear,
     output_head,
     stacked,
 )
+from pdserve.models.onednn import reordered_bf16_here
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 
@@ -129,12 +131,24 @@ class Layer(nn.Module):
     def runs_whole(self) -> bool:
         """Its matrices are native Q4_1 without biases and its norms native: decode_layers.cpp
         then runs exactly what qkv() and finish() run."""
-        a, mlp = self.self_attn, self.mlp
-        matrices = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
         native = all(
-            isinstance(m, Q4Linear) and m.kernel == "native" and m.bias is None for m in matrices
+            isinstance(m, Q4Linear) and m.kernel == "native" and m.bias is None
+            for m in self._matrices()
         )
         return native and self.input_layernorm.fused and self.post_attention_layernorm.fused
+
+    def runs_wide(self) -> bool:
+        """Its matrices are quantized without biases and multiply a bfloat16 wide pass by
+        oneDNN on a reordered copy, and its norms are native: decode_wide.cpp then runs exactly
+        what qkv() and finish() run on that many rows."""
+        matrices = self._matrices()
+        wide = all(isinstance(m, WidePass) and m.bias is None and m.bf16_gemm for m in matrices)
+        fused = self.input_layernorm.fused and self.post_attention_layernorm.fused
+        return wide and fused and reordered_bf16_here()
+
+    def _matrices(self) -> list[nn.Module]:
+        a, mlp = self.self_attn, self.mlp
+        return [cast(nn.Module, m) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
 
 
 def layer_operands(layers: list[Layer]) -> tuple[list[torch.Tensor], ...]:
@@ -181,7 +195,9 @@ class LlamaForCausalLM(DecoderOnly):
             config.head_dim, config.rope_theta, dict(config.rope_scaling)
         )
         self._whole_layers = False  # set by use_weights where every layer runs_whole
+        self._wide_layers = False  # set by use_weights where every layer runs_wide
         self._layer_operands: tuple[list[torch.Tensor], ...] = ()  # set by use_weights too
+        self._wide_matrices: tuple[list[torch.Tensor], ...] = ()  # made by the first wide step
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -206,12 +222,22 @@ class LlamaForCausalLM(DecoderOnly):
         return isinstance(self.lm_head, (Int8Linear, Q8Linear))
 
     def whole_layers(self, rows: int) -> bool:
-        """Where every layer runs_whole and a q4 matrix would run its 4-bit kernel on `rows`
-        rows, as decode_layer.cpp does (not a wide pass)."""
-        if not self._whole_layers:
-            return False
-        first = cast(Q4Linear, cast(Layer, self.layers[0]).self_attn.qkv_proj)
-        return first.wide_dtype(rows, self.model.embed_tokens.weight.dtype) is None
+        return self._one_call(rows) is not None
+
+    def _one_call(self, rows: int) -> str | None:
+        """Which native call runs every layer of a decode step of `rows` rows: "q4" where every
+        layer runs_whole and a q4 matrix would run its 4-bit kernel (decode_layer.cpp), "wide"
+        where every layer runs_wide and a matrix would multiply a bf16 wide pass
+        (decode_wide.cpp); None where neither (the ops one by one)."""
+        if not (self._whole_layers or self._wide_layers):
+            return None
+        first = cast(WidePass, cast(Layer, self.layers[0]).self_attn.qkv_proj)
+        wide = first.wide_dtype(rows, self.model.embed_tokens.weight.dtype)
+        if self._whole_layers and wide is None:
+            return "q4"
+        if self._wide_layers and wide == torch.bfloat16:
+            return "wide"
+        return None
 
     def use_weights(self, fmt: str, q4: Q4Source) -> None:
         """Fuses each layer's projections and holds every linear layer in `fmt` (quantized.py);
@@ -227,16 +253,25 @@ class LlamaForCausalLM(DecoderOnly):
             if self.lm_head is not None:
                 head = cast(nn.Linear, self.lm_head).weight
             self.lm_head = output_head(fmt, head, q4.kernel)
-        self._whole_layers = all(layer.runs_whole() for layer in cast(list[Layer], self.layers))
+        layers = cast(list[Layer], list(self.layers))
+        self._whole_layers = all(layer.runs_whole() for layer in layers)
+        bf16 = self.model.embed_tokens.weight.dtype == torch.bfloat16
+        self._wide_layers = bf16 and all(layer.runs_wide() for layer in layers)
+        self._wide_matrices = ()
         self._layer_operands = layer_operands(cast(list[Layer], list(self.layers)))
 
     def decode_layers(self, x: torch.Tensor, rotary: Rotary, cache_operands: tuple) -> torch.Tensor:
         """qkv() then finish() of every layer of a decode step in one native call
-        (decode_layer.cpp), the same ops in the same order. `cache_operands`: the paged cache's
+        (decode_layer.cpp, or decode_wide.cpp where _one_call says "wide"), the same ops in the
+        same order. `cache_operands`: the paged cache's
         (PagedCache.step_operands)."""
         norms, post_norms, qkv, o, gate_up, down = self._layer_operands
+        call = torch.ops.pdserve.decode_layers
+        if self._one_call(x.shape[0]) == "wide":
+            qkv, o, gate_up, down = self.wide_matrices()
+            call = torch.ops.pdserve.decode_layers_wide
         attention = cast(Layer, self.layers[0]).self_attn
-        return torch.ops.pdserve.decode_layers(
+        return call(
             x,
             norms,
             post_norms,
@@ -252,3 +287,14 @@ class LlamaForCausalLM(DecoderOnly):
             rotary.sin_signed,
             *cache_operands,
         )
+
+    def wide_matrices(self) -> tuple[list[torch.Tensor], ...]:
+        """Each layer's four matrices as decode_wide.cpp takes them: the bf16 copies reordered
+        for oneDNN that the layers' wide passes multiply by (made once, shared with them)."""
+        if not self._wide_matrices:
+            layers = cast(list[Layer], list(self.layers))
+            self._wide_matrices = tuple(
+                [cast(WidePass, layer._matrices()[i]).reordered_bf16().weight for layer in layers]
+                for i in range(4)
+            )
+        return self._wide_matrices

@@ -28,5 +28,10 @@ class ReorderedBF16:
         self.out_features = weight.shape[0]
         self._weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), None)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The reordered weight, as oneDNN's linear takes it (decode_wide.cpp calls it too)."""
+        return self._weight
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._weight, None, "none", [], "")
