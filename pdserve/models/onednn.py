@@ -13,12 +13,23 @@ bit-equal in every case:
   the head (49,152 x 576)             8 rows 2.97 / 1.68 ms 64 rows 7.07 / 4.12 ms
 """
 
+import functools
+
 import torch
 
 
+@functools.cache
 def reordered_bf16_here() -> bool:
-    """Whether this torch can reorder a bf16 weight for oneDNN (its CPU build has oneDNN)."""
-    return bool(torch.backends.mkldnn.is_available())
+    """Whether oneDNN can reorder a bf16 weight on this CPU. Asked once, of a tiny weight: a
+    CPU build without oneDNN cannot, and oneDNN refuses on a CPU without AVX-512 (bw, vl, dq)
+    or AVX-NE-CONVERT, which torch's build of it requires for the bf16 path."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class ReorderedBF16:
