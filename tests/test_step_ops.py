@@ -12,6 +12,7 @@ from pdserve.kernels import native, step_ops
 from pdserve.models.llama import RMSNorm
 from pdserve.models.loading import load_served_model
 from pdserve.models.quantized import BF16_WIDE_ROWS, bf16_gemm_here
+from pdserve.models.onednn import reordered_bf16_here
 from pdserve.models.rope import Rotary, inverse_frequencies
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -353,7 +354,7 @@ def test_the_wide_layers_call_refuses_operands_that_do_not_agree():
 def _wide_matrices(model) -> tuple[list[torch.Tensor], ...]:
     """The wide call's four matrices per layer: reordered where this CPU's oneDNN can reorder
     bf16, else dense bf16 copies of the same shapes."""
-    if bf16_gemm_here():
+    if reordered_bf16_here():
         return model.wide_matrices()
     layers = list(model.layers)
     return tuple(
