@@ -56,14 +56,41 @@ def test_the_weights_are_the_q4_1_blocks_as_given():
     weight = torch.randn(32, 64, generator=gen)
     codes, scales, minimums = q4_blocks(weight)
     layer = make_linear("q4", weight, None, q4_kernel="native")
-    assert layer.blocks.shape == (32, 2 * 20) and layer.blocks.dtype == torch.uint8
-    first = layer.blocks[0, :20]
+    assert isinstance(layer, Q4Linear)
+    blocks = layer.block_bytes()
+    assert blocks.shape == (32, 2 * 20) and blocks.dtype == torch.uint8
+    first = blocks[0, :20]
     assert first[:2].view(torch.float16).item() == scales[0, 0].half().item()
     assert first[2:4].view(torch.float16).item() == minimums[0, 0].half().item()
     assert first[4] == codes[0, 0] | (codes[0, 16] << 4)
     scale, minimum = scales.half().float(), minimums.half().float()
     expected = codes.float().view(32, 2, 32) * scale[..., None] + minimum[..., None]
     assert torch.equal(layer.dense_weight(), expected.view(32, 64))
+
+
+def test_the_kernel_reads_the_blocks_interleaved_by_8_rows_as_its_header_lays_them_out():
+    """Per 8 output rows and group of 32 columns: 8 fp16 scales, 8 fp16 minimums, then byte
+    32 + 32i + 4t + j holds row t's code 8i + j (low nibble) and 8i + 4 + j (high)."""
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    codes, scales, minimums = q4_blocks(weight)
+    layer = make_linear("q4", weight, None, q4_kernel="native")
+    assert isinstance(layer, Q4Linear)
+    held = layer.interleaved
+    assert held.shape == (16 // 8, 2 * 160) and held.dtype == torch.uint8
+    second_group, second_block = held[1, 160:320], (8, 32)  # rows 8-15, columns 32-63
+    row, column = second_block
+    for t in range(8):
+        assert second_group[2 * t : 2 * t + 2].view(torch.float16) == scales[row + t, 1].half()
+        assert (
+            second_group[16 + 2 * t : 18 + 2 * t].view(torch.float16) == minimums[row + t, 1].half()
+        )
+        for i in range(4):
+            for j in range(4):
+                low, high = (
+                    codes[row + t, column + 8 * i + j],
+                    codes[row + t, column + 8 * i + 4 + j],
+                )
+                assert second_group[32 + 32 * i + 4 * t + j] == low | (high << 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -132,13 +159,15 @@ def test_bad_arguments_are_refused_with_a_message(layer):
     op = torch.ops.pdserve.q4_1_linear
     x = torch.randn(2, 160)
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        op(x.double(), layer.blocks)
-    with pytest.raises(RuntimeError, match="for x's columns"):
-        op(torch.randn(2, 128), layer.blocks)
+        op(x.double(), layer.interleaved)
+    with pytest.raises(RuntimeError, match="x's columns / 32 blocks of 160 bytes"):
+        op(torch.randn(2, 128), layer.interleaved)
     with pytest.raises(RuntimeError, match="contiguous matrix"):
-        op(torch.randn(160, 2).T, layer.blocks)
-    with pytest.raises(RuntimeError, match="uint8 matrix of Q4_1 blocks"):
-        op(x, layer.blocks.float())
+        op(torch.randn(160, 2).T, layer.interleaved)
+    with pytest.raises(RuntimeError, match="uint8 matrix of Q4_1 blocks interleaved by 8 rows"):
+        op(x, layer.interleaved.float())
+    with pytest.raises(RuntimeError, match="blocks of 160 bytes"):  # llama.cpp's rows as stored
+        op(x, layer.block_bytes())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,44 +1,77 @@
-// x @ W.T for W held as llama.cpp's quantised blocks, as the ops pdserve::q4_1_linear and
-// pdserve::q8_0_linear (the kernel and its block formats: blocks_avx2.h).
+// x @ W.T for W held as llama.cpp's quantised blocks, as the ops pdserve::q4_1_linear (Q4_1
+// interleaved by 8 output rows) and pdserve::q8_0_linear (Q8_0 as stored); the kernel and its
+// block layouts: blocks_avx2.h.
 #include "blocks_avx2.h"
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 namespace {
 
 using namespace pdserve::blocks;
 
-template <typename F, typename T>
-at::Tensor linear_as(const at::Tensor& x, const at::Tensor& weights) {
-  const int64_t rows = x.size(0), k = x.size(1), n = weights.size(0), blocks = k / kBlock;
-  std::vector<int8_t> q(rows * k);
-  std::vector<float> d(rows * blocks), s(rows * blocks);
-  quantize_rows(x.data_ptr<T>(), rows, k, q.data(), d.data(), s.data());
+// x's rows quantised as the kernel takes them.
+struct Quantised {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+
+  template <typename T>
+  Quantised(const T* x, int64_t rows, int64_t k)
+      : codes(rows * k), scales(rows * k / kBlock), sums(rows * k / kBlock) {
+    quantize_rows(x, rows, k, codes.data(), scales.data(), sums.data());
+  }
+};
+
+template <typename T>
+at::Tensor q8_0_as(const at::Tensor& x, const at::Tensor& weights) {
+  const int64_t rows = x.size(0), k = x.size(1), n = weights.size(0);
+  const Quantised xq(x.data_ptr<T>(), rows, k);
   at::Tensor out = at::empty({rows, n}, x.options());
-  multiply<F>(q.data(), d.data(), s.data(), rows, k, weights.data_ptr<uint8_t>(), n,
-              out.data_ptr<T>());
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    multiply_range<Q8_0>(xq.codes.data(), xq.scales.data(), rows, k,
+                         weights.data_ptr<uint8_t>(), n, y, begin, end);
+  });
   return out;
 }
 
-template <typename F>
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weights, const char* format) {
+template <typename T>
+at::Tensor q4_1_as(const at::Tensor& x, const at::Tensor& weights) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = weights.size(0);
+  const int64_t n = groups * kInterleave;
+  const Quantised xq(x.data_ptr<T>(), rows, k);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    multiply_interleaved_range(xq.codes.data(), xq.scales.data(), xq.sums.data(), rows, k,
+                               weights.data_ptr<uint8_t>(), n, y, begin, end);
+  });
+  return out;
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& weights, int64_t bytes_per_block,
+                    const char* layout) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous matrix");
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kByte && weights.is_contiguous(),
-              "weights: a contiguous uint8 matrix of ", format, " blocks");
+              "weights: a contiguous uint8 matrix of ", layout);
   const int64_t k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && weights.size(1) == k / kBlock * F::kBytes,
-              "weights: [rows, columns / 32 * ", F::kBytes, "] for x's columns");
-  if (x.scalar_type() == at::kBFloat16) return linear_as<F, at::BFloat16>(x, weights);
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: bfloat16 or float32");
-  return linear_as<F, float>(x, weights);
+  TORCH_CHECK(k % kBlock == 0 && weights.size(1) == k / kBlock * bytes_per_block,
+              "weights: each row must hold x's columns / 32 blocks of ", bytes_per_block,
+              " bytes (", layout, ")");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x: bfloat16 or float32");
 }
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weights) {
-  return block_linear<Q4_1>(x, weights, "Q4_1");
+  check_operands(x, weights, kInterleavedBytes, "Q4_1 blocks interleaved by 8 rows");
+  if (x.scalar_type() == at::kBFloat16) return q4_1_as<at::BFloat16>(x, weights);
+  return q4_1_as<float>(x, weights);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& weights) {
-  return block_linear<Q8_0>(x, weights, "Q8_0");
+  check_operands(x, weights, Q8_0::kBytes, "Q8_0 blocks");
+  if (x.scalar_type() == at::kBFloat16) return q8_0_as<at::BFloat16>(x, weights);
+  return q8_0_as<float>(x, weights);
 }
 
 }  // namespace

@@ -28,9 +28,10 @@
 namespace {
 
 using c10::BFloat16;
-using pdserve::blocks::Q4_1;
 using pdserve::blocks::kBlock;
-using pdserve::blocks::multiply_range;
+using pdserve::blocks::kInterleave;
+using pdserve::blocks::kInterleavedBytes;
+using pdserve::blocks::multiply_interleaved_range;
 using pdserve::blocks::quantize_rows;
 using pdserve::step::PagedLayer;
 using pdserve::step::add_rows;
@@ -109,12 +110,14 @@ struct Quantised {
                   scales.data() + first * blocks, sums.data() + first * blocks);
   }
 
-  // Output rows [first, last) of (the quantised x) @ W.T for W of n Q4_1 rows, into out [rows, n].
+  // Groups [first, last) of 8 output rows of (the quantised x) @ W.T, W Q4_1 interleaved by 8
+  // rows ([n / 8, k / 32 * 160]), into out [rows, n].
   template <typename T>
   void times(const at::Tensor& weights, int64_t rows, T* out, int64_t first, int64_t last) const {
-    const int64_t k = weights.size(1) / Q4_1::kBytes * kBlock;
-    multiply_range<Q4_1>(codes.data(), scales.data(), sums.data(), rows, k,
-                         weights.data_ptr<uint8_t>(), weights.size(0), out, first, last);
+    const int64_t k = weights.size(1) / kInterleavedBytes * kBlock;
+    multiply_interleaved_range(codes.data(), scales.data(), sums.data(), rows, k,
+                               weights.data_ptr<uint8_t>(), weights.size(0) * kInterleave, out,
+                               first, last);
   }
 };
 
@@ -186,10 +189,10 @@ class LayerStep {
 
   Span rows(int64_t part, int64_t parts) const { return share(s_.rows, part, parts, 1); }
 
-  // Output rows of `weights` in pieces of 16, as the q4 op splits them between threads.
+  // The groups of 8 output rows of `weights`, in pieces of two (16 rows) per thread.
   void multiply(const at::Tensor& weights, T* out, int64_t part, int64_t parts) const {
-    const auto [j0, j1] = share(weights.size(0), part, parts, 16);
-    if (j0 < j1) quantised_.times(weights, s_.rows, out, j0, j1);
+    const auto [g0, g1] = share(weights.size(0), part, parts, 2);
+    if (g0 < g1) quantised_.times(weights, s_.rows, out, g0, g1);
   }
 
   void quantise(const T* x, int64_t k, Span r) { quantised_.rows_of(x, k, r.first, r.second); }
@@ -236,9 +239,11 @@ class LayerStep {
 
 void check_matrix(const at::Tensor& m, int64_t rows, int64_t columns, const char* name) {
   TORCH_CHECK(m.dim() == 2 && m.scalar_type() == at::kByte && m.is_contiguous() &&
-                  columns % kBlock == 0 && m.size(0) == rows &&
-                  m.size(1) == columns / kBlock * Q4_1::kBytes,
-              "decode_layers: ", name, " must be Q4_1 blocks [", rows, ", ", columns, " / 32 * 20]");
+                  columns % kBlock == 0 && rows % kInterleave == 0 &&
+                  m.size(0) == rows / kInterleave &&
+                  m.size(1) == columns / kBlock * kInterleavedBytes,
+              "decode_layers: ", name, " must be Q4_1 blocks interleaved by 8 rows [", rows,
+              " / 8, ", columns, " / 32 * 160]");
 }
 
 // Every layer of the step in one region: layer i reads buffer i % 2 and writes the other.
@@ -263,7 +268,7 @@ at::Tensor run_layers(const at::Tensor& x, const Shapes& shape, const std::vecto
   return buffers[weights.size() % 2];
 }
 
-// x [rows, width]; per layer, the norms' weights and its Q4_1 block matrices (q, k, v stacked in
+// x [rows, width]; per layer, the norms' weights and its Q4_1 matrices, interleaved by 8 rows (q, k, v stacked in
 // qkv, gate and up in gate_up). cos and sin_signed as rotary_ takes them; kv is the paged cache
 // [layers, 2 (keys, values), kv_heads, slots, head_dim], and the slots, blocks and lengths are as
 // paged_decode takes them. Returns the last layer's output [rows, width].
@@ -288,7 +293,8 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList input_norms,
               "decode_layers: kv must be [layers, 2, kv_heads, slots, head_dim]");
   TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 2 == 0,
               "decode_layers: gate_up's rows must be gate's and up's");
-  const Shapes shape{x.size(0), x.size(1), heads, kv_heads, head_dim, gate_up[0].size(0) / 2};
+  const int64_t hidden = gate_up[0].size(0) * kInterleave / 2;
+  const Shapes shape{x.size(0), x.size(1), heads, kv_heads, head_dim, hidden};
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
               "decode_layers: heads must be a multiple of kv_heads, head_dim even");
   TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() &&

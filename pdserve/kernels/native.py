@@ -6,10 +6,10 @@ Llama layers in one call over them (decode_layer.cpp).
 
 `--q4-kernel` picks how q4 layers multiply:
   torch   torch._weight_int4pack_mm_for_cpu, activations in bfloat16
-  native  blocks_avx2.cpp, on llama.cpp's own block_q4_1 bytes: activations rounded to int8 per
-          block of 32 and integer dot products, as llama.cpp computes Q4_1. The output head is
-          then Q8_0 on the same kernel (quantized.output_head). It needs x86-64 Linux with
-          AVX2, FMA and F16C.
+  native  blocks_avx2.cpp, on llama.cpp's own block_q4_1 bytes, interleaved by 8 output rows:
+          activations rounded to int8 per block of 32 and integer dot products, as llama.cpp
+          computes Q4_1. The output head is then Q8_0 on the same kernel
+          (quantized.output_head). It needs x86-64 Linux with AVX2, FMA and F16C.
   auto    (the default) native where torch's own CPU kernels run their AVX2 code, torch where
           they run AVX-512 code. Measured (docs/measurements.md, "Which q4 kernel"): on an
           AVX-512 EPYC torch's is as fast at one row and faster from 4; on an AVX2-only EPYC

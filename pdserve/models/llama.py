@@ -153,7 +153,8 @@ class Layer(nn.Module):
 
 def layer_operands(layers: list[Layer]) -> tuple[list[torch.Tensor], ...]:
     """What decode_layers takes of the layers' weights, listed once: the norms' weights and,
-    where every layer runs_whole, the Q4_1 blocks of each matrix (else no matrices)."""
+    where every layer runs_whole, each matrix's Q4_1 blocks interleaved by 8 rows (else no
+    matrices)."""
     norms: list[torch.Tensor] = [layer.input_layernorm.weight for layer in layers]
     post_norms: list[torch.Tensor] = [layer.post_attention_layernorm.weight for layer in layers]
     if not all(layer.runs_whole() for layer in layers):
@@ -163,10 +164,10 @@ def layer_operands(layers: list[Layer]) -> tuple[list[torch.Tensor], ...]:
     return (
         norms,
         post_norms,
-        [cast(Q4Linear, a.qkv_proj).blocks for a in attention],
-        [cast(Q4Linear, a.o_proj).blocks for a in attention],
-        [cast(Q4Linear, m.gate_up_proj).blocks for m in mlp],
-        [cast(Q4Linear, m.down_proj).blocks for m in mlp],
+        [cast(Q4Linear, a.qkv_proj).interleaved for a in attention],
+        [cast(Q4Linear, a.o_proj).interleaved for a in attention],
+        [cast(Q4Linear, m.gate_up_proj).interleaved for m in mlp],
+        [cast(Q4Linear, m.down_proj).interleaved for m in mlp],
     )
 
 

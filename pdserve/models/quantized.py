@@ -14,8 +14,9 @@ read. Three formats (`--weights`):
 q4 layers multiply on one of two kernels (--q4-kernel, pdserve/kernels/native.py):
 
   native  pdserve's AVX2 kernel, on llama.cpp's own block_q4_1 bytes (fp16 scale and minimum,
-          then the codes: 20 bytes per 32 weights): each row of activations is rounded to int8
-          per block of 32, with integer dot products against the codes, as llama.cpp computes.
+          then the codes: 20 bytes per 32 weights), interleaved by 8 output rows (the same
+          bytes rearranged, q4_1_interleaved): each row of activations is rounded to int8 per
+          block of 32, with integer dot products against the codes, as llama.cpp computes.
   torch   torch._weight_int4pack_mm_for_cpu, which computes (code - 8) * scale + zero, so
           zero = minimum + 8 * scale. Its scales are held in the activations' dtype: bfloat16
           rounds Q4_1's fp16 scales to 8 significant bits.
@@ -210,9 +211,9 @@ class Q4Linear(WidePass):
     """4-bit groups multiplied by one of two kernels (`kernel`, pdserve/kernels/native.py):
     torch's int4 kernel, or pdserve's own, which computes as llama.cpp does."""
 
-    # Buffers, declared for the type checker: `blocks` on the native kernel; `packed`,
+    # Buffers, declared for the type checker: `interleaved` on the native kernel; `packed`,
     # `scales_and_zeros` and `nibbles` on torch's.
-    blocks: torch.Tensor
+    interleaved: torch.Tensor
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     nibbles: torch.Tensor
@@ -233,7 +234,7 @@ class Q4Linear(WidePass):
         self.kernel = kernel
         if kernel == "native":
             native.load()
-            self.register_buffer("blocks", q4_1_block_bytes(codes, scales, minimums))
+            self.register_buffer("interleaved", q4_1_interleaved(codes, scales, minimums))
         else:
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             zeros = minimums.float() + 8 * scales.float()
@@ -251,7 +252,7 @@ class Q4Linear(WidePass):
         if wide is not None:
             out = self.wide(flat, wide)
         elif self.kernel == "native":
-            out = torch.ops.pdserve.q4_1_linear(flat.contiguous(), self.blocks)
+            out = torch.ops.pdserve.q4_1_linear(flat.contiguous(), self.interleaved)
         else:
             out = torch._weight_int4pack_mm_for_cpu(
                 flat, self.packed, Q4_GROUP, self.scales_and_zeros
@@ -268,13 +269,17 @@ class Q4Linear(WidePass):
     def dense_weight(self) -> torch.Tensor:
         """The weights the 4-bit kernel reads, with that kernel's own scales."""
         if self.kernel == "native":
-            codes, scale, minimum = q4_1_from_block_bytes(self.blocks)
+            codes, scale, minimum = q4_1_from_interleaved(self.interleaved)
             weight = codes.float() * scale[..., None] + minimum[..., None]
         else:
             codes = _codes(self.nibbles)
             held = self.scales_and_zeros.float().transpose(0, 1)  # [rows, groups, 2]
             weight = (codes.float() - 8) * held[..., 0:1] + held[..., 1:2]
         return weight.view(self.out_features, self.in_features)
+
+    def block_bytes(self) -> torch.Tensor:
+        """The native kernel's weights as llama.cpp stores them (block_q4_1, row by row)."""
+        return q4_1_block_bytes(*q4_1_from_interleaved(self.interleaved))
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -300,13 +305,44 @@ def q4_1_block_bytes(
     return torch.cat([*halves, _nibbles(codes)], -1).reshape(rows, -1).contiguous()
 
 
-def q4_1_from_block_bytes(blocks: torch.Tensor) -> Q4Blocks:
-    """q4_1_block_bytes' inverse: codes [rows, groups, 32], scales and minimums [rows, groups]
+def q4_1_interleaved(
+    codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> torch.Tensor:
+    """The native kernel's layout (pdserve/kernels/blocks_avx2.h): llama.cpp's Q4_1 blocks of
+    8 output rows side by side, [rows / 8, groups * 160]. Per 8 rows and group: their scales and
+    minimums as fp16, then 4 x 32 bytes where byte 4t + j of the i-th holds row t's code 8i + j
+    (low nibble) and 8i + 4 + j (high)."""
+    rows, columns = codes.shape
+    groups = columns // Q4_GROUP
+    # [row groups, 8 rows, groups, i, low|high, j] -> bytes [row groups, groups, i, 8 rows, j]
+    split = codes.to(torch.uint8).view(rows // 8, 8, groups, 4, 2, 4)
+    packed = (split[:, :, :, :, 0] | (split[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+    halves = [
+        t.to(torch.float16)
+        .view(rows // 8, 8, groups)
+        .transpose(1, 2)
+        .contiguous()
+        .view(torch.uint8)
+        for t in (scales, minimums)
+    ]
+    codes_bytes = packed.reshape(rows // 8, groups, 128)
+    return torch.cat([*halves, codes_bytes], -1).reshape(rows // 8, -1).contiguous()
+
+
+def q4_1_from_interleaved(interleaved: torch.Tensor) -> Q4Blocks:
+    """q4_1_interleaved's inverse: codes [rows, groups, 32], scales and minimums [rows, groups]
     (float32, from their fp16)."""
-    grouped = blocks.view(blocks.shape[0], -1, 20)
-    scale = grouped[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-    minimum = grouped[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
-    return _codes(grouped[..., 4:]), scale, minimum
+    row_groups = interleaved.shape[0]
+    grouped = interleaved.view(row_groups, -1, 160)
+    groups = grouped.shape[1]
+
+    def halves(at: int) -> torch.Tensor:  # [row groups, groups, 8] fp16 -> [rows, groups]
+        held = grouped[..., at : at + 16].contiguous().view(torch.float16).float()
+        return held.transpose(1, 2).reshape(row_groups * 8, groups)
+
+    packed = grouped[..., 32:].reshape(row_groups, groups, 4, 8, 4).permute(0, 3, 1, 2, 4)
+    codes = torch.stack([packed & 15, packed >> 4], -2)  # [.., 8 rows, groups, i, low|high, j]
+    return codes.reshape(row_groups * 8, groups, 32), halves(0), halves(16)
 
 
 def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
