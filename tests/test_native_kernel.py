@@ -93,6 +93,20 @@ def test_the_kernel_reads_the_blocks_interleaved_by_8_rows_as_its_header_lays_th
                 assert second_group[32 + 32 * i + 4 * t + j] == low | (high << 4)
 
 
+def test_the_q8_0_head_is_read_interleaved_by_8_rows_as_its_header_lays_them_out():
+    """Per 8 output rows and group of 32 columns: 8 fp16 scales, then byte 16 + 32c + 4t + j
+    holds row t's code 4c + j."""
+    head = Q8Linear(torch.randn(16, 64, generator=torch.Generator().manual_seed(7)))
+    held, blocks = head.interleaved, head.block_bytes().view(16, 2, 34)
+    assert held.shape == (16 // 8, 2 * 272) and held.dtype == torch.uint8
+    second_group = held[1, 272:]  # rows 8-15, columns 32-63
+    for t in range(8):
+        assert torch.equal(second_group[2 * t : 2 * t + 2], blocks[8 + t, 1, :2])
+        for c in range(8):
+            codes = blocks[8 + t, 1, 2 + 4 * c : 2 + 4 * c + 4]
+            assert torch.equal(second_group[16 + 32 * c + 4 * t : 16 + 32 * c + 4 * t + 4], codes)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", ["q4_1", "q8_0"])
 def test_a_row_gets_the_same_result_in_any_batch_and_on_any_threads(dtype, block):
@@ -179,7 +193,7 @@ def test_the_q8_0_kernel_multiplies_8_bit_activations_by_the_8_bit_weights(dtype
     x = torch.randn(6, 192, generator=gen).to(dtype)
     got = head(x)
     assert got.dtype == dtype and got.shape == (6, 80)
-    expected = rounded_to_8_bits(x).double() @ q8_0_from_block_bytes(head.blocks).double().T
+    expected = rounded_to_8_bits(x).double() @ q8_0_from_block_bytes(head.block_bytes()).double().T
     bound = (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
     assert (got.double() - expected).abs().max() < bound
     assert head(-x).neg().allclose(got, rtol=0, atol=float(bound))
@@ -195,7 +209,7 @@ def test_q8_0_blocks_are_llama_cpps_and_give_back_a_q8_0_weight_exactly():
     codes[:, 32] = -127
     scales = (torch.rand(16, 2, generator=gen) / 50).half()
     weight = (codes.float().view(16, 2, 32) * scales.float()[..., None]).view(16, 64)
-    blocks = Q8Linear(weight).blocks
+    blocks = Q8Linear(weight).block_bytes()
     assert blocks.shape == (16, 2 * 34) and blocks.dtype == torch.uint8
     grouped = blocks.view(16, 2, 34)
     assert torch.equal(grouped[..., :2].contiguous().view(torch.float16)[..., 0], scales)
@@ -221,7 +235,7 @@ def test_the_real_models_head_is_the_files_own_q8_0_blocks():
     head = served.built.lm_head
     assert isinstance(head, Q8Linear)
     raw = np.asarray(embedding.data).reshape(head.out_features, -1)
-    assert torch.equal(head.blocks, torch.from_numpy(raw.copy()))
+    assert torch.equal(head.block_bytes(), torch.from_numpy(raw.copy()))
 
 
 def test_a_q4_model_on_the_native_kernel_has_a_q8_0_head():

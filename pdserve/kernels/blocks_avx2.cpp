@@ -1,6 +1,5 @@
-// x @ W.T for W held as llama.cpp's quantised blocks, as the ops pdserve::q4_1_linear (Q4_1
-// interleaved by 8 output rows) and pdserve::q8_0_linear (Q8_0 as stored); the kernel and its
-// block layouts: blocks_avx2.h.
+// x @ W.T for W held as llama.cpp's quantised blocks interleaved by 8 output rows, as the ops
+// pdserve::q4_1_linear and pdserve::q8_0_linear; the kernel and its layouts: blocks_avx2.h.
 #include "blocks_avx2.h"
 
 #include <ATen/Parallel.h>
@@ -22,33 +21,6 @@ struct Quantised {
   }
 };
 
-template <typename T>
-at::Tensor q8_0_as(const at::Tensor& x, const at::Tensor& weights) {
-  const int64_t rows = x.size(0), k = x.size(1), n = weights.size(0);
-  const Quantised xq(x.data_ptr<T>(), rows, k);
-  at::Tensor out = at::empty({rows, n}, x.options());
-  T* y = out.data_ptr<T>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    multiply_range<Q8_0>(xq.codes.data(), xq.scales.data(), rows, k,
-                         weights.data_ptr<uint8_t>(), n, y, begin, end);
-  });
-  return out;
-}
-
-template <typename T>
-at::Tensor q4_1_as(const at::Tensor& x, const at::Tensor& weights) {
-  const int64_t rows = x.size(0), k = x.size(1), groups = weights.size(0);
-  const int64_t n = groups * kInterleave;
-  const Quantised xq(x.data_ptr<T>(), rows, k);
-  at::Tensor out = at::empty({rows, n}, x.options());
-  T* y = out.data_ptr<T>();
-  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-    multiply_interleaved_range(xq.codes.data(), xq.scales.data(), xq.sums.data(), rows, k,
-                               weights.data_ptr<uint8_t>(), n, y, begin, end);
-  });
-  return out;
-}
-
 void check_operands(const at::Tensor& x, const at::Tensor& weights, int64_t bytes_per_block,
                     const char* layout) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous matrix");
@@ -62,16 +34,34 @@ void check_operands(const at::Tensor& x, const at::Tensor& weights, int64_t byte
               "x: bfloat16 or float32");
 }
 
+// x @ W.T, W of format F interleaved by 8 rows ([n / 8, k / 32 * F::kBytes]), into [rows, n].
+template <typename F, typename T>
+at::Tensor interleaved_linear(const at::Tensor& x, const at::Tensor& weights) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = weights.size(0);
+  const int64_t n = groups * kInterleave;
+  const Quantised xq(x.data_ptr<T>(), rows, k);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    multiply_interleaved_range<F>(xq.codes.data(), xq.scales.data(), xq.sums.data(), rows, k,
+                                  weights.data_ptr<uint8_t>(), n, y, begin, end);
+  });
+  return out;
+}
+
+template <typename F>
+at::Tensor checked_linear(const at::Tensor& x, const at::Tensor& weights, const char* layout) {
+  check_operands(x, weights, F::kBytes, layout);
+  if (x.scalar_type() == at::kBFloat16) return interleaved_linear<F, at::BFloat16>(x, weights);
+  return interleaved_linear<F, float>(x, weights);
+}
+
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weights) {
-  check_operands(x, weights, kInterleavedBytes, "Q4_1 blocks interleaved by 8 rows");
-  if (x.scalar_type() == at::kBFloat16) return q4_1_as<at::BFloat16>(x, weights);
-  return q4_1_as<float>(x, weights);
+  return checked_linear<Q4_1x8>(x, weights, "Q4_1 blocks interleaved by 8 rows");
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& weights) {
-  check_operands(x, weights, Q8_0::kBytes, "Q8_0 blocks");
-  if (x.scalar_type() == at::kBFloat16) return q8_0_as<at::BFloat16>(x, weights);
-  return q8_0_as<float>(x, weights);
+  return checked_linear<Q8_0x8>(x, weights, "Q8_0 blocks interleaved by 8 rows");
 }
 
 }  // namespace

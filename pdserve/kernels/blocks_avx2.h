@@ -9,9 +9,8 @@
 //               A block contributes scale_w * scale_x * sum(code * q) + minimum * scale_x * sum(q).
 //   block_q8_0  34 bytes: the scale as fp16, then 32 signed bytes; W = code * scale.
 //
-// Q8_0 (the output head) is read as the file stores it, one stream of bytes per output row.
-// Q4_1 (every layer's matrices) is read interleaved: the same blocks, the bytes of 8 output rows
-// rearranged so that one integer instruction serves all 8 (see Q4_1 interleaved below).
+// Both are read interleaved: the same blocks, the bytes of 8 output rows rearranged so that one
+// integer instruction serves all 8 (below).
 // Every output element sums its blocks in one fixed order, whatever the number of rows in the
 // call or the threads that share it: a row's result does not depend on its batch.
 #pragma once
@@ -28,27 +27,6 @@
 namespace pdserve::blocks {
 
 constexpr int64_t kBlock = 32;
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return _cvtsh_ss(bits);
-}
-
-// Q8_0's block: its 32 codes, and their integer dot product with 32 int8 activations as eight
-// int32 partial sums.
-struct Q8_0 {
-  static constexpr int64_t kBytes = 34;  // fp16 scale, 32 signed bytes of codes
-  static __m256i codes(const uint8_t* block) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  }
-  // maddubs multiplies unsigned by signed bytes: |c| times a with c's sign moved onto it gives
-  // the same products. Codes and activations lie in -127..127, so no pair sum saturates int16.
-  static __m256i dot(__m256i c, __m256i a, __m256i ones) {
-    const __m256i product = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(a, c));
-    return _mm256_madd_epi16(product, ones);
-  }
-};
 
 // Rows of x [rows, k] to int8 per block of 32, as llama.cpp rounds them: codes q [rows, k],
 // each block's scale d and its scale times the sum of its codes s ([rows, k / 32]; Q4_1's
@@ -76,153 +54,22 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
   }
 }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 low = _mm256_castps256_ps128(v);
-  low = _mm_add_ps(low, _mm256_extractf128_ps(v, 1));
-  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
-  low = _mm_add_ss(low, _mm_shuffle_ps(low, low, 1));
-  return _mm_cvtss_f32(low);
-}
-
-// ---- Q8_0, one row of blocks after another -------------------------------------------------
-
-// Codes and scales of block b of `count` consecutive rows, the same block `ahead` rows on
-// prefetched (see tile).
-template <typename F>
-inline void load_block(const uint8_t* rows, int64_t row_bytes, int64_t b, int count, int ahead,
-                       __m256i* c, float* sw) {
-  for (int t = 0; t < count; ++t) {
-    const uint8_t* block = rows + t * row_bytes + b * F::kBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(block + ahead * row_bytes), _MM_HINT_T0);
-    c[t] = F::codes(block);
-    sw[t] = half_at(block);
-  }
-}
-
-// acc + (the integer dot product of codes c and activations a) * scale, lane by lane.
-template <typename F>
-inline __m256 add_block(__m256 acc, __m256i c, __m256i a, float scale, __m256i ones) {
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(F::dot(c, a, ones)), _mm256_set1_ps(scale), acc);
-}
-
-// Rows R of x (quantised) times output rows T of W, over every block. R and T are constants
-// so that the R * T accumulators stay in registers: held in memory, every multiply-add would
-// wait on a store and a load, which made a batch-1 pass twice as slow as torch's kernel once
-// the weights no longer sat in the cache. Each accumulator adds its blocks in order 0, 1, ...
-// whatever R and T are, so a row's result does not depend on its tile.
-// Each block's bytes of the next stripe (T rows on) are prefetched: the hardware's prefetchers
-// alone left a batch-1 pass 1.4x slower than with it (SmolLM2's 53 MB of layers, one thread).
-// A prefetch past the end of the weights is only a hint, and never faults.
-template <typename F, int R, int T, typename Out>
-void tile(const int8_t* q, const float* d, int64_t k, const uint8_t* weights, int64_t row_bytes,
-          Out* out, int64_t n) {
-  const int64_t blocks = k / kBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i c[T];
-    float sw[T];
-    load_block<F>(weights, row_bytes, b, T, T, c, sw);
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
-      const float da = d[r * blocks + b];
-      for (int t = 0; t < T; ++t) acc[r][t] = add_block<F>(acc[r][t], c[t], a, sw[t] * da, ones);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[r * n + t] = static_cast<Out>(horizontal_sum(acc[r][t]));
-}
-
-// Output rows [begin, end) for every row of x: T output rows at a time (a T-row stripe of W
-// stays in L1 while every group of R rows of x passes over it), the stripe's last rows and
-// x's last rows by smaller tiles.
-template <typename F, int R, int T, typename Out>
-void stripe(const int8_t* q, const float* d, int64_t rows, int64_t k, const uint8_t* weights,
-            int64_t row_bytes, int64_t begin, int64_t end, Out* out, int64_t n) {
-  const int64_t blocks = k / kBlock;
-  int64_t j = begin;
-  for (; j + T <= end; j += T) {
-    const uint8_t* w = weights + j * row_bytes;
-    int64_t r = 0;
-    for (; r + R <= rows; r += R)
-      tile<F, R, T>(q + r * k, d + r * blocks, k, w, row_bytes, out + r * n + j, n);
-    for (; r < rows; ++r) tile<F, 1, T>(q + r * k, d + r * blocks, k, w, row_bytes, out + r * n + j, n);
-  }
-  for (; j < end; ++j)
-    for (int64_t r = 0; r < rows; ++r)
-      tile<F, 1, 1>(q + r * k, d + r * blocks, k, weights + j * row_bytes, row_bytes, out + r * n + j, n);
-}
-
-// Five rows of x or more, output rows [begin, end): a tile's codes are unpacked once per block
-// for all the rows, which outweighs accumulators held in memory (rows * Tile of them). Tile:
-// output rows per tile, so Tile independent accumulators per row of x, each block of x loaded
-// once for them.
-template <typename F, int Tile, typename T>
-void many_rows(const int8_t* q, const float* d, int64_t rows, int64_t k, const uint8_t* weights,
-               int64_t n, T* out, int64_t begin, int64_t end) {
-  const int64_t blocks = k / kBlock, row_bytes = blocks * F::kBytes;
-  const __m256i ones = _mm256_set1_epi16(1);
-  std::vector<__m256> acc(rows * Tile);
-  for (int64_t j0 = begin; j0 < end; j0 += Tile) {
-    const int tile = static_cast<int>(std::min<int64_t>(Tile, end - j0));
-    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256i c[Tile];
-      float sw[Tile];
-      load_block<F>(weights + j0 * row_bytes, row_bytes, b, tile, Tile, c, sw);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
-        const float da = d[r * blocks + b];
-        for (int t = 0; t < tile; ++t)
-          acc[r * Tile + t] = add_block<F>(acc[r * Tile + t], c[t], a, sw[t] * da, ones);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int t = 0; t < tile; ++t)
-        out[r * n + j0 + t] = static_cast<T>(horizontal_sum(acc[r * Tile + t]));
-  }
-}
-
-// Output rows [begin, end) of x @ W.T for every row of x (x quantised: q, d), into out
-// [rows, n]. Each element is the same whatever range it falls in, so any split of the output
-// rows between threads gives the same result.
-template <typename F, typename Out>
-void multiply_range(const int8_t* q, const float* d, int64_t rows, int64_t k,
-                    const uint8_t* weights, int64_t n, Out* out, int64_t begin, int64_t end) {
-  if (rows > 4) return many_rows<F, 4>(q, d, rows, k, weights, n, out, begin, end);
-  // Up to 4 rows of x, all in one tile of registers (16 on AVX2: R * T accumulators, T codes).
-  const int64_t row_bytes = k / kBlock * F::kBytes;
-  switch (rows) {
-    case 1: return stripe<F, 1, 4>(q, d, rows, k, weights, row_bytes, begin, end, out, n);
-    case 2: return stripe<F, 2, 4>(q, d, rows, k, weights, row_bytes, begin, end, out, n);
-    case 3: return stripe<F, 3, 3>(q, d, rows, k, weights, row_bytes, begin, end, out, n);
-    default: return stripe<F, 4, 3>(q, d, rows, k, weights, row_bytes, begin, end, out, n);
-  }
-}
-
-// ---- Q4_1 interleaved by 8 output rows -------------------------------------------------------
+// ---- Blocks interleaved by 8 output rows ----------------------------------------------------
 //
 // Read row by row, each block of each output row costs an integer dot product reduced to eight
-// partial sums, converted to float and scaled on its own, plus the minimum's term: most of a
+// partial sums, converted to float and scaled on its own (plus Q4_1's minimum term): most of a
 // 64-row step's time went to that per-block bookkeeping (8-12 instructions per 32 weights).
 // Interleaved, the 32-bit lane t of one vector belongs to output row t of a group of 8: four
 // codes of each of the 8 rows sit side by side, an activation's four bytes are broadcast to
 // every lane, and maddubs + madd give all 8 rows' sums at once. The bookkeeping is then paid
-// once per 8 output rows (on the AVX2 EPYC, one thread, SmolLM2's 30 layers: 2.0x faster at 16
-// and 64 rows of x, 2.7x at one).
+// once per 8 output rows (Q4_1 on the AVX2 EPYC, one thread, SmolLM2's 30 layers: 2.0x faster
+// at 16 and 64 rows of x, 2.7x at one).
 //
-// Per group of 8 output rows and block b, kInterleavedBytes bytes:
-//   0-15    the 8 rows' scales as fp16 (row t at 2t)
-//   16-31   the 8 rows' minimums as fp16
-//   32-159  four vectors V0-V3 of 32 bytes: byte 4t + j of V_i holds row t's code 8i + j in its
-//           low nibble and code 8i + 4 + j in its high one.
-// Each block's sum is an exact integer (the 8 chunks of 4 codes add in int16 without overflow:
-// 8 * 2 * 15 * 127 < 32768); it is scaled and added to its row's float sum in block order, and
-// the minimum's term likewise, so a row's result does not depend on how many rows share a call.
+// Per group of 8 output rows and block b, F::kBytes bytes: the 8 rows' scales as fp16 (row t at
+// 2t), Q4_1's 8 minimums as fp16, then the codes (see each format). Each block's sum is an exact
+// integer; it is scaled and added to its row's float sum in block order, and the minimum's term
+// likewise, so a row's result does not depend on how many rows share a call.
 constexpr int64_t kInterleave = 8;
-constexpr int64_t kInterleavedBytes = kInterleave * 20;
 
 inline __m256i broadcast4(const int8_t* p) {
   int32_t four;
@@ -230,59 +77,101 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
-// Rows R of x (quantised: q, d, s) times one group of 8 output rows, into out[r * n + t].
-template <int R, typename Out>
-void interleaved_tile(const int8_t* q, const float* d, const float* s, int64_t k,
-                      const uint8_t* group, Out* out, int64_t n) {
-  const int64_t blocks = k / kBlock;
-  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
-  __m256 acc[R], offset[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = group + b * kInterleavedBytes;
-    __m256i sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+// Q4_1: after the scales and minimums, four vectors V0-V3 of 32 bytes: byte 4t + j of V_i holds
+// row t's code 8i + j in its low nibble and code 8i + 4 + j in its high one. The 8 chunks of 4
+// codes add in int16 without overflow (8 * 2 * 15 * 127 < 32768).
+struct Q4_1x8 {
+  static constexpr int64_t kBytes = kInterleave * 20;
+  static constexpr bool kHasMinimum = true;
+
+  // Each of rows R of x (a: the block's first activation of x's first row; rows k apart) times
+  // the block's codes: lane t, row t's integer sum.
+  template <int R>
+  static void dots(const uint8_t* block, const int8_t* a, int64_t k, __m256i* sum) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i pairs[R];
+    for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * i));
       const __m256i low = _mm256_and_si256(v, nibble);
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       for (int r = 0; r < R; ++r) {
-        const int8_t* a = q + r * k + b * kBlock + 8 * i;
-        sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(low, broadcast4(a)));
-        sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(high, broadcast4(a + 4)));
+        const int8_t* x = a + r * k + 8 * i;
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(low, broadcast4(x)));
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(high, broadcast4(x + 4)));
       }
     }
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(pairs[r], ones);
+  }
+};
+
+// Q8_0: after the scales, eight vectors C0-C7 of 32 signed bytes: byte 4t + j of C_c holds row
+// t's code 4c + j. maddubs takes |code| and the activation with the code's sign; a pair of
+// products can reach 2 * 127 * 127, so each chunk widens to int32 before they add.
+struct Q8_0x8 {
+  static constexpr int64_t kBytes = kInterleave * 34;
+  static constexpr bool kHasMinimum = false;
+
+  template <int R>
+  static void dots(const uint8_t* block, const int8_t* a, int64_t k, __m256i* sum) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+      const __m256i magnitude = _mm256_sign_epi8(codes, codes);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_sign_epi8(broadcast4(a + r * k + 4 * c), codes);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+      }
+    }
+  }
+};
+
+// Rows R of x (quantised: q, d, s) times one group of 8 output rows, into out[r * n + t].
+template <typename F, int R, typename Out>
+void interleaved_tile(const int8_t* q, const float* d, const float* s, int64_t k,
+                      const uint8_t* group, Out* out, int64_t n) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offset[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = group + b * F::kBytes;
+    __m256i sum[R];
+    F::template dots<R>(block, q + b * kBlock, k, sum);
     const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
     for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw, _mm256_set1_ps(d[r * blocks + b])), acc[r]);
-      offset[r] = _mm256_add_ps(offset[r], _mm256_mul_ps(mw, _mm256_set1_ps(s[r * blocks + b])));
+      const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(d[r * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), scale, acc[r]);
+    }
+    if constexpr (F::kHasMinimum) {
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+      for (int r = 0; r < R; ++r)
+        offset[r] = _mm256_add_ps(offset[r], _mm256_mul_ps(mw, _mm256_set1_ps(s[r * blocks + b])));
     }
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float sums[kInterleave];
-    _mm256_store_ps(sums, _mm256_add_ps(acc[r], offset[r]));
+    _mm256_store_ps(sums, F::kHasMinimum ? _mm256_add_ps(acc[r], offset[r]) : acc[r]);
     for (int t = 0; t < kInterleave; ++t) out[r * n + t] = static_cast<Out>(sums[t]);
   }
 }
 
 // Groups [begin, end) of 8 output rows of x @ W.T for every row of x, W interleaved ([n / 8,
-// blocks * kInterleavedBytes]), into out [rows, n]. A group's bytes stay in L1 while every
-// four rows of x pass over them.
-template <typename Out>
+// blocks * F::kBytes]), into out [rows, n]. A group's bytes stay in L1 while every four rows of
+// x pass over them.
+template <typename F, typename Out>
 void multiply_interleaved_range(const int8_t* q, const float* d, const float* s, int64_t rows,
                                 int64_t k, const uint8_t* weights, int64_t n, Out* out,
                                 int64_t begin, int64_t end) {
-  const int64_t blocks = k / kBlock, group_bytes = blocks * kInterleavedBytes;
+  const int64_t blocks = k / kBlock, group_bytes = blocks * F::kBytes;
   for (int64_t g = begin; g < end; ++g) {
     const uint8_t* group = weights + g * group_bytes;
     Out* column = out + g * kInterleave;
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4)
-      interleaved_tile<4>(q + r * k, d + r * blocks, s + r * blocks, k, group, column + r * n, n);
+      interleaved_tile<F, 4>(q + r * k, d + r * blocks, s + r * blocks, k, group, column + r * n, n);
     for (; r < rows; ++r)
-      interleaved_tile<1>(q + r * k, d + r * blocks, s + r * blocks, k, group, column + r * n, n);
+      interleaved_tile<F, 1>(q + r * k, d + r * blocks, s + r * blocks, k, group, column + r * n, n);
   }
 }
 

@@ -30,7 +30,7 @@ namespace {
 using c10::BFloat16;
 using pdserve::blocks::kBlock;
 using pdserve::blocks::kInterleave;
-using pdserve::blocks::kInterleavedBytes;
+using pdserve::blocks::Q4_1x8;
 using pdserve::blocks::multiply_interleaved_range;
 using pdserve::blocks::quantize_rows;
 using pdserve::step::PagedLayer;
@@ -114,8 +114,8 @@ struct Quantised {
   // rows ([n / 8, k / 32 * 160]), into out [rows, n].
   template <typename T>
   void times(const at::Tensor& weights, int64_t rows, T* out, int64_t first, int64_t last) const {
-    const int64_t k = weights.size(1) / kInterleavedBytes * kBlock;
-    multiply_interleaved_range(codes.data(), scales.data(), sums.data(), rows, k,
+    const int64_t k = weights.size(1) / Q4_1x8::kBytes * kBlock;
+    multiply_interleaved_range<Q4_1x8>(codes.data(), scales.data(), sums.data(), rows, k,
                                weights.data_ptr<uint8_t>(), weights.size(0) * kInterleave, out,
                                first, last);
   }
@@ -241,7 +241,7 @@ void check_matrix(const at::Tensor& m, int64_t rows, int64_t columns, const char
   TORCH_CHECK(m.dim() == 2 && m.scalar_type() == at::kByte && m.is_contiguous() &&
                   columns % kBlock == 0 && rows % kInterleave == 0 &&
                   m.size(0) == rows / kInterleave &&
-                  m.size(1) == columns / kBlock * kInterleavedBytes,
+                  m.size(1) == columns / kBlock * Q4_1x8::kBytes,
               "decode_layers: ", name, " must be Q4_1 blocks interleaved by 8 rows [", rows,
               " / 8, ", columns, " / 32 * 160]");
 }

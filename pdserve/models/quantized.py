@@ -158,7 +158,8 @@ class Q8Linear(WidePass):
     """Codes in -127..127 per group of 32 input columns, each group with one scale: llama.cpp's
     Q8_0 (weight = code * scale), multiplied by the native kernel (pdserve/kernels/
     blocks_avx2.cpp) with activations rounded to int8 per block, as llama.cpp computes it.
-    Held in llama.cpp's block_q8_0 bytes: per group the fp16 scale, then the 32 codes. Computed
+    Held in llama.cpp's block_q8_0 bytes (per group the fp16 scale, then the 32 codes),
+    interleaved by 8 output rows as the kernel reads them (q8_0_interleaved). Computed
     from the bf16 weights, they are SmolLM2's GGUF's own Q8_0 bytes again, every one of them
     (tests/test_native_kernel.py): the bf16 rounding moves no weight by half a code.
 
@@ -168,13 +169,18 @@ class Q8Linear(WidePass):
     head (Int8Linear), 1.12-1.14x at 16 and 64 (docs/measurements.md, "The output head in
     Q8_0")."""
 
-    blocks: torch.Tensor  # a buffer, declared for the type checker
+    interleaved: torch.Tensor  # a buffer, declared for the type checker
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(four_bit=False)
         native.load()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("blocks", q8_0_block_bytes(weight))
+        if self.out_features % 8 or self.in_features % Q4_GROUP:
+            raise ValueError(
+                f"Q8_0 on the native kernel needs output rows in groups of 8 and input columns "
+                f"in blocks of 32, not {self.out_features} x {self.in_features}"
+            )
+        self.register_buffer("interleaved", q8_0_interleaved(q8_0_block_bytes(weight)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -182,11 +188,15 @@ class Q8Linear(WidePass):
         if wide is not None:
             out = self.wide(flat, wide)
         else:
-            out = torch.ops.pdserve.q8_0_linear(flat, self.blocks)
+            out = torch.ops.pdserve.q8_0_linear(flat, self.interleaved)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
-        return q8_0_from_block_bytes(self.blocks)
+        return q8_0_from_block_bytes(self.block_bytes())
+
+    def block_bytes(self) -> torch.Tensor:
+        """The weights as llama.cpp stores them (block_q8_0, row by row)."""
+        return q8_0_from_interleaved(self.interleaved)
 
 
 def q8_0_block_bytes(weight: torch.Tensor) -> torch.Tensor:
@@ -197,6 +207,28 @@ def q8_0_block_bytes(weight: torch.Tensor) -> torch.Tensor:
     held = scale.to(torch.float16).view(torch.uint8)
     as_bytes = codes.clamp(-127, 127).to(torch.int8).view(torch.uint8)
     return torch.cat([held, as_bytes], -1).reshape(rows, -1).contiguous()
+
+
+def q8_0_interleaved(blocks: torch.Tensor) -> torch.Tensor:
+    """The native kernel's layout (pdserve/kernels/blocks_avx2.h) of block_q8_0 bytes [rows,
+    groups * 34]: 8 output rows side by side, [rows / 8, groups * 272]. Per 8 rows and group:
+    their scales as fp16, then 8 x 32 bytes where byte 4t + j of the c-th is row t's code
+    4c + j."""
+    rows = blocks.shape[0]
+    grouped = blocks.view(rows // 8, 8, -1, Q8_0_BLOCK_BYTES)  # [row groups, 8 rows, groups, 34]
+    scales = grouped[..., :2].permute(0, 2, 1, 3)  # [row groups, groups, 8 rows, 2]
+    codes = grouped[..., 2:].unflatten(-1, (8, 4)).permute(0, 2, 3, 1, 4)  # [.., c, 8 rows, j]
+    both = [scales.flatten(2), codes.flatten(2)]
+    return torch.cat(both, -1).reshape(rows // 8, -1).contiguous()
+
+
+def q8_0_from_interleaved(interleaved: torch.Tensor) -> torch.Tensor:
+    """q8_0_interleaved's inverse: block_q8_0 bytes [rows, groups * 34]."""
+    row_groups = interleaved.shape[0]
+    grouped = interleaved.view(row_groups, -1, 8 * Q8_0_BLOCK_BYTES)
+    scales = grouped[..., :16].unflatten(-1, (8, 2)).permute(0, 2, 1, 3)  # [.., 8 rows, groups, 2]
+    codes = grouped[..., 16:].unflatten(-1, (8, 8, 4)).permute(0, 3, 1, 2, 4).flatten(3)
+    return torch.cat([scales, codes], -1).reshape(row_groups * 8, -1).contiguous()
 
 
 def q8_0_from_block_bytes(blocks: torch.Tensor) -> torch.Tensor:
@@ -427,8 +459,10 @@ def q4_blocks(weight: torch.Tensor) -> Q4Blocks:
 
 def output_head(fmt: str, weight: torch.Tensor, q4_kernel: str) -> nn.Module:
     """The output head of a model whose layers are in `fmt` (int8 or q4): Q8_0 on the native
-    kernel, else int8 per row. Either way 8 bits, as llama.cpp keeps its own head."""
-    if fmt == "q4" and q4_kernel == "native" and weight.shape[1] % Q4_GROUP == 0:
+    kernel (where its rows come in whole groups of 8 and its columns in blocks of 32), else int8
+    per row. Either way 8 bits, as llama.cpp keeps its own head."""
+    rows, columns = weight.shape
+    if fmt == "q4" and q4_kernel == "native" and rows % 8 == 0 and columns % Q4_GROUP == 0:
         return Q8Linear(weight)
     return Int8Linear(weight, None)
 
