@@ -13,11 +13,11 @@ from pdserve.models.quantized import (
     Int8Linear,
     Q4Linear,
     Q8Linear,
+    int8_blocks,
     make_linear,
     output_head,
     q4_blocks,
     q8_0_from_block_bytes,
-    rounded_to_8_bits,
 )
 
 
@@ -27,6 +27,13 @@ def layer() -> Q4Linear:
     built = make_linear("q4", torch.randn(96, 160, generator=gen), None, q4_kernel="native")
     assert isinstance(built, Q4Linear) and built.kernel == "native"
     return built
+
+
+def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 as the native kernel sees it: each block of 32 rounded to int8 codes times
+    its scale."""
+    codes, scale = int8_blocks(x)
+    return (codes * scale).view(x.shape)
 
 
 def _dense(layer: Q4Linear) -> torch.Tensor:
@@ -137,14 +144,19 @@ def _native_q4(seed: int) -> Q4Linear:
     return built
 
 
-def test_a_float32_wide_pass_computes_as_the_kernel_does():
-    """From WIDE_ROWS rows of float32 up the layer multiplies in float32 (on any CPU), by the
-    same rounded activations: only the order of the sums differs."""
-    layer = _native_q4(0)
-    x = torch.randn(WIDE_ROWS, 160, generator=torch.Generator().manual_seed(4))
-    by_kernel = torch.cat([layer(row[None]) for row in x])
-    wide = layer(x)
-    assert (wide - by_kernel).abs().max() < 1e-5 * by_kernel.abs().max()
+@pytest.mark.parametrize("bits", ["q4_1", "q8_0"])
+def test_a_pass_of_many_rows_stays_on_the_kernel_and_gives_each_row_its_own_bits(bits):
+    """Without bf16 dot products the native kernel never multiplies a dense float32 copy (it is
+    the faster way at every row count measured), so a prompt's prefill computes each row as a
+    decode step of that row alone would, to the bit."""
+    gen = torch.Generator().manual_seed(4)
+    layer = Q8Linear(torch.randn(96, 160, generator=gen)) if bits == "q8_0" else _native_q4(0)
+    layer.bf16_gemm = False  # as on an AVX2 CPU
+    for dtype in (torch.float32, torch.bfloat16):
+        assert layer.wide_dtype(16 * WIDE_ROWS, dtype) is None
+    x = torch.randn(WIDE_ROWS + 3, 160, generator=gen)
+    alone = torch.cat([layer(row[None]) for row in x])
+    assert torch.equal(layer(x), alone)
 
 
 @pytest.mark.parametrize("head", [False, True])

@@ -36,11 +36,14 @@ only in a process that runs such passes. Which dtype, and from how many rows, de
           of a SmolLM2 matrix cost about the same from 1 to 16 rows (50-100 us), while torch's
           int4 kernel cost 2.2-2.6x as much at 8 rows, 4.4x at 64; the 49,152-row int8 head
           cost 2.0x at 8 rows and 11x at 64. The crossover was 4-8 rows.
-  float32 from WIDE_ROWS rows, q4 layers only, otherwise (and for a float32 model anywhere): on an AVX2 CPU at 1,500 rows torch's
-          int4 kernel took 54-57 ms per SmolLM2 matrix against 22-30 ms for a float32 GEMM (and
-          145-170 ms in bfloat16, which AVX2 has no instructions for); the crossover was 48-64
-          rows. On the native kernel this pass rounds its activations to 8 bits first, so it
-          computes what the kernel computes.
+  float32 from WIDE_ROWS rows, q4 layers on torch's kernel only, otherwise (and for a float32
+          model anywhere): on an AVX2 CPU at 1,500 rows torch's int4 kernel took 54-57 ms per
+          SmolLM2 matrix against 22-30 ms for a float32 GEMM (and 145-170 ms in bfloat16, which
+          AVX2 has no instructions for); the crossover was 48-64 rows. The native kernel never
+          goes float32: interleaved (blocks_avx2.h) it was faster than the float32 pass at
+          every count measured, 1.9x at 128 rows, 1.3x at 1,024 (AVX2 EPYC, 2 threads, a
+          SmolLM2 layer's 4 matrices, 2026-12-06), and a row's result then does not depend on
+          how many rows share its pass, prefill or decode.
 """
 
 import logging
@@ -59,7 +62,7 @@ Q4_GROUP = 32
 Q8_0_BLOCK_BYTES = 34  # llama.cpp's block_q8_0: an fp16 scale, then 32 signed codes
 Q4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, minimums
-WIDE_ROWS = 128  # a q4 layer multiplies in float32 from here up (bfloat16 where it goes sooner)
+WIDE_ROWS = 128  # q4 on torch's kernel multiplies in float32 from here up (bf16 may go sooner)
 BF16_WIDE_ROWS = 8  # with bf16 dot products, a layer of bf16 activations goes bf16 from here up
 
 
@@ -74,15 +77,15 @@ class WidePass(nn.Module):
 
       bfloat16 activations, where `bf16_gemm` (this CPU has bf16 dot products): in bfloat16,
                from BF16_WIDE_ROWS rows;
-      else, a q4 layer (`four_bit`): in float32, from WIDE_ROWS rows.
+      else, where `float32_wide` (q4 on torch's kernel): in float32, from WIDE_ROWS rows.
 
     Float32 activations never go to bfloat16: a float32 model keeps its precision. `widens`
     False keeps every pass on the layer's own kernel, whose result for a row does not depend on
     how many rows share the pass (invariant numerics sets it so); a wide pass's result would."""
 
-    def __init__(self, four_bit: bool) -> None:
+    def __init__(self, float32_wide: bool) -> None:
         super().__init__()
-        self.four_bit, self.widens, self.bf16_gemm = four_bit, True, bf16_gemm_here()
+        self.float32_wide, self.widens, self.bf16_gemm = float32_wide, True, bf16_gemm_here()
         self._wide: dict[torch.dtype, torch.Tensor] = {}
         self._reordered: ReorderedBF16 | None = None
 
@@ -92,7 +95,7 @@ class WidePass(nn.Module):
             return None
         if dtype == torch.bfloat16 and self.bf16_gemm and rows >= BF16_WIDE_ROWS:
             return torch.bfloat16
-        return torch.float32 if self.four_bit and rows >= WIDE_ROWS else None
+        return torch.float32 if self.float32_wide and rows >= WIDE_ROWS else None
 
     def wide(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """flat [rows, in] by the dense copy in `dtype`, returned in the input's dtype. In
@@ -130,7 +133,7 @@ class Int8Linear(WidePass):
     bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(four_bit=False)
+        super().__init__(float32_wide=False)
         self.in_features = weight.shape[1]
         wide = weight.detach().float()
         scale = wide.abs().amax(1).clamp(min=1e-12) / 127
@@ -172,7 +175,7 @@ class Q8Linear(WidePass):
     interleaved: torch.Tensor  # a buffer, declared for the type checker
 
     def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__(four_bit=False)
+        super().__init__(float32_wide=False)
         native.load()
         self.out_features, self.in_features = weight.shape
         if self.out_features % 8 or self.in_features % Q4_GROUP:
@@ -261,7 +264,7 @@ class Q4Linear(WidePass):
         kernel: str = "torch",
     ) -> None:
         """codes int [rows, columns] in 0..15; scales, minimums [rows, columns / 32]."""
-        super().__init__(four_bit=True)
+        super().__init__(float32_wide=kernel == "torch")
         self.out_features, self.in_features = codes.shape
         self.kernel = kernel
         if kernel == "native":
@@ -291,12 +294,6 @@ class Q4Linear(WidePass):
             )
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
-
-    def wide_input(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """In float32 on the native kernel, the activations rounded to 8 bits as it rounds them."""
-        if self.kernel == "native" and dtype == torch.float32:
-            return rounded_to_8_bits(flat)
-        return flat.to(dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The weights the 4-bit kernel reads, with that kernel's own scales."""
@@ -375,14 +372,6 @@ def q4_1_from_interleaved(interleaved: torch.Tensor) -> Q4Blocks:
     packed = grouped[..., 32:].reshape(row_groups, groups, 4, 8, 4).permute(0, 3, 1, 2, 4)
     codes = torch.stack([packed & 15, packed >> 4], -2)  # [.., 8 rows, groups, i, low|high, j]
     return codes.reshape(row_groups * 8, groups, 32), halves(0), halves(16)
-
-
-def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
-    """x in float32 as the native kernel sees it: each block of 32 rounded to int8 codes times
-    its scale (int8_blocks). So a wide pass and a kernel pass of a row differ only in the order
-    of their float sums, and a prefilled prompt's KV is computed as its decode steps are."""
-    codes, scale = int8_blocks(x)
-    return (codes * scale).view(x.shape)
 
 
 def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
