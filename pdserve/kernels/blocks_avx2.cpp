@@ -9,18 +9,6 @@ namespace {
 
 using namespace pdserve::blocks;
 
-// x's rows quantised as the kernel takes them.
-struct Quantised {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, sums;
-
-  template <typename T>
-  Quantised(const T* x, int64_t rows, int64_t k)
-      : codes(rows * k), scales(rows * k / kBlock), sums(rows * k / kBlock) {
-    quantize_rows(x, rows, k, codes.data(), scales.data(), sums.data());
-  }
-};
-
 void check_operands(const at::Tensor& x, const at::Tensor& weights, int64_t bytes_per_block,
                     const char* layout) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous matrix");
@@ -39,7 +27,9 @@ template <typename F, typename T>
 at::Tensor interleaved_linear(const at::Tensor& x, const at::Tensor& weights) {
   const int64_t rows = x.size(0), k = x.size(1), groups = weights.size(0);
   const int64_t n = groups * kInterleave;
-  const Quantised xq(x.data_ptr<T>(), rows, k);
+  QuantisedRows xq;
+  xq.size_for(rows, k);
+  xq.rows_of(x.data_ptr<T>(), k, 0, rows);
   at::Tensor out = at::empty({rows, n}, x.options());
   T* y = out.data_ptr<T>();
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {

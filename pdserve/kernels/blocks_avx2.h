@@ -54,6 +54,27 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
   }
 }
 
+// Rows of x quantised as the kernel takes them (quantize_rows), in buffers sized once for the
+// widest matrix a caller multiplies.
+struct QuantisedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+
+  void size_for(int64_t rows, int64_t widest) {
+    codes.resize(rows * widest);
+    scales.resize(rows * widest / kBlock);
+    sums.resize(rows * widest / kBlock);
+  }
+
+  // Rows [first, last) of x [rows, k] (rows dense), for a matrix of k columns.
+  template <typename T>
+  void rows_of(const T* x, int64_t k, int64_t first, int64_t last) {
+    const int64_t blocks = k / kBlock;
+    quantize_rows(x + first * k, last - first, k, codes.data() + first * k,
+                  scales.data() + first * blocks, sums.data() + first * blocks);
+  }
+};
+
 // ---- Blocks interleaved by 8 output rows ----------------------------------------------------
 //
 // Read row by row, each block of each output row costs an integer dot product reduced to eight
@@ -62,8 +83,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, flo
 // Interleaved, the 32-bit lane t of one vector belongs to output row t of a group of 8: four
 // codes of each of the 8 rows sit side by side, an activation's four bytes are broadcast to
 // every lane, and maddubs + madd give all 8 rows' sums at once. The bookkeeping is then paid
-// once per 8 output rows (Q4_1 on the AVX2 EPYC, one thread, SmolLM2's 30 layers: 2.0x faster
-// at 16 and 64 rows of x, 2.7x at one).
+// once per 8 output rows (on the AVX2 EPYC, 2 threads, SmolLM2's whole decode step: 1.70x
+// faster at 16 rows of x, 1.90x at 64, 1.29x at one; docs/measurements.md).
 //
 // Per group of 8 output rows and block b, F::kBytes bytes: the 8 rows' scales as fp16 (row t at
 // 2t), Q4_1's 8 minimums as fp16, then the codes (see each format). Each block's sum is an exact

@@ -32,7 +32,6 @@ using pdserve::blocks::kBlock;
 using pdserve::blocks::kInterleave;
 using pdserve::blocks::Q4_1x8;
 using pdserve::blocks::multiply_interleaved_range;
-using pdserve::blocks::quantize_rows;
 using pdserve::step::PagedLayer;
 using pdserve::step::add_rows;
 using pdserve::step::attend_items;
@@ -91,24 +90,8 @@ std::pair<int64_t, int64_t> share(int64_t total, int64_t part, int64_t parts, in
           std::min(total, pieces * (part + 1) / parts * align)};
 }
 
-// A row's activations quantised per block of 32, as the q4 kernel takes them (blocks_avx2.h).
-struct Quantised {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, sums;
-
-  void size_for(int64_t rows, int64_t widest) {
-    codes.resize(rows * widest);
-    scales.resize(rows * widest / kBlock);
-    sums.resize(rows * widest / kBlock);
-  }
-
-  // Rows [first, last) of x [rows, k] (rows dense), for a matrix of k columns.
-  template <typename T>
-  void rows_of(const T* x, int64_t k, int64_t first, int64_t last) {
-    const int64_t blocks = k / kBlock;
-    quantize_rows(x + first * k, last - first, k, codes.data() + first * k,
-                  scales.data() + first * blocks, sums.data() + first * blocks);
-  }
+// Rows quantised for the q4 kernel (blocks_avx2.h), and the layer's matrices times them.
+struct Quantised : pdserve::blocks::QuantisedRows {
 
   // Groups [first, last) of 8 output rows of (the quantised x) @ W.T, W Q4_1 interleaved by 8
   // rows ([n / 8, k / 32 * 160]), into out [rows, n].
@@ -268,8 +251,8 @@ at::Tensor run_layers(const at::Tensor& x, const Shapes& shape, const std::vecto
   return buffers[weights.size() % 2];
 }
 
-// x [rows, width]; per layer, the norms' weights and its Q4_1 matrices, interleaved by 8 rows (q, k, v stacked in
-// qkv, gate and up in gate_up). cos and sin_signed as rotary_ takes them; kv is the paged cache
+// x [rows, width]; per layer, the norms' weights and its Q4_1 matrices interleaved by 8 rows
+// (q, k, v stacked in qkv, gate and up in gate_up). cos and sin_signed as rotary_ takes them; kv is the paged cache
 // [layers, 2 (keys, values), kv_heads, slots, head_dim], and the slots, blocks and lengths are as
 // paged_decode takes them. Returns the last layer's output [rows, width].
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList input_norms,
