@@ -41,8 +41,8 @@ only in a process that runs such passes. Which dtype, and from how many rows, de
           SmolLM2 matrix against 22-30 ms for a float32 GEMM (and 145-170 ms in bfloat16, which
           AVX2 has no instructions for); the crossover was 48-64 rows. The native kernel never
           goes float32: interleaved (blocks_avx2.h) it was faster than the float32 pass at
-          every count measured, 1.9x at 128 rows, 1.3x at 1,024 (AVX2 EPYC, 2 threads, a
-          SmolLM2 layer's 4 matrices, 2026-12-06), and a row's result then does not depend on
+          every count measured, 1.6x at 128 rows, 1.16x at 1,024 and 2,048 (AVX2 EPYC, 2
+          threads, a SmolLM2 layer's 4 matrices, bench/native_vs_wide.py, 2026-12-06), and a row's result then does not depend on
           how many rows share its pass, prefill or decode.
 """
 
