@@ -509,16 +509,18 @@ class ColocatedSettings:
     chunk_tokens: int = setting(
         256,
         "chunked prefill (as vLLM's and Sarathi-Serve's schedulers do): each step carries "
-        "every running decode plus at most this many prompt tokens, so a long prompt is spread "
-        "over several steps; 0 for the plain loop (a whole prefill batch, then a decode step)",
+        "every running decode plus at most this many tokens of prompts longer than this, so a "
+        "long prompt is spread over several steps; 0 for the plain loop (a whole prefill batch, "
+        "then a decode step)",
         flag="prefill-chunk-tokens",
     )
-    idle_chunk_tokens: int = setting(
+    step_prompt_tokens: int = setting(
         2048,
-        "prompt tokens a chunked step may carry when no decode is running: no stream waits on "
-        "that step, so prompts that arrive together start together (vLLM's CPU server caps "
-        "every step at 2048 tokens); below --prefill-chunk-tokens it is that",
-        flag="idle-prefill-chunk-tokens",
+        "the most prompt tokens one chunked step carries: shorter prompts go whole within it, "
+        "and a step with no decode in it takes this much of any prompt, so prompts that arrive "
+        "together start together (vLLM's CPU server caps every step at 2048 tokens); below "
+        "--prefill-chunk-tokens it is that",
+        flag="step-prompt-tokens",
     )
     http_port: int = setting(
         0,
@@ -534,10 +536,10 @@ class ColocatedSettings:
                 f"--prefill-chunk-tokens (PDSERVE_PREFILL_CHUNK_TOKENS) must be >= 0, "
                 f"got {self.chunk_tokens}"
             )
-        if self.idle_chunk_tokens < 0:
+        if self.step_prompt_tokens < 0:
             raise ValueError(
-                f"--idle-prefill-chunk-tokens (PDSERVE_IDLE_PREFILL_CHUNK_TOKENS) must be >= 0, "
-                f"got {self.idle_chunk_tokens}"
+                f"--step-prompt-tokens (PDSERVE_STEP_PROMPT_TOKENS) must be >= 0, "
+                f"got {self.step_prompt_tokens}"
             )
 
 

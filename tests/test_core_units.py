@@ -215,9 +215,8 @@ def test_an_abort_racing_the_step_end_still_frees_the_blocks():
     assert scheduler.running == [] and table.released and pool.available_blocks == 8
 
 
-def colocated_engine(chunk_tokens: int, idle_chunk_tokens: int = 0):
-    """TinyGPT's colocated engine; by default its steps without decodes chunk prompts as the
-    others do."""
+def colocated_engine(chunk_tokens: int, step_prompt_tokens: int = 0):
+    """TinyGPT's colocated engine; by default no step carries more prompt tokens than a chunk."""
     from pdserve.models.loading import load_served_model
     from pdserve.settings import ColocatedSettings, CommonSettings, DecodeSettings, PrefillSettings
     from pdserve.services.colocated.engine import ColocatedEngine
@@ -226,7 +225,9 @@ def colocated_engine(chunk_tokens: int, idle_chunk_tokens: int = 0):
     decode = DecodeSettings(common, num_blocks=64)
     return ColocatedEngine(
         load_served_model("tinygpt"),
-        ColocatedSettings(common, decode, PrefillSettings(common), chunk_tokens, idle_chunk_tokens),
+        ColocatedSettings(
+            common, decode, PrefillSettings(common), chunk_tokens, step_prompt_tokens
+        ),
     )
 
 
@@ -267,10 +268,18 @@ def test_chunked_prefill_cancelled_at_any_point_frees_the_reservation(cancel_aft
     assert not engine.has_work()
 
 
-def test_a_step_without_decodes_takes_the_idle_budget_and_one_with_them_the_chunk():
-    """16-token chunks, 64 while idle: a 40-token prompt alone is prefilled in one step; the
+def run_until_idle(engine, steps: int = 40) -> None:
+    for _ in range(steps):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work() and engine.pool.available_blocks == 64
+
+
+def test_a_step_without_decodes_takes_a_whole_long_prompt_and_one_with_them_a_chunk():
+    """16-token chunks, 64-token steps: a 40-token prompt alone is prefilled in one step; the
     same prompt arriving while it decodes takes three, so the stream waits at most a chunk."""
-    engine = colocated_engine(chunk_tokens=16, idle_chunk_tokens=64)
+    engine = colocated_engine(chunk_tokens=16, step_prompt_tokens=64)
     spec = SamplingSpec(max_tokens=8, ignore_eos=True)  # the first decodes through all 3 steps
     first = engine.submit(GenerateSpec("a", tuple(range(40)), spec), lambda emission: None)
     engine.step()
@@ -282,11 +291,51 @@ def test_a_step_without_decodes_takes_the_idle_budget_and_one_with_them_the_chun
         steps += 1
         assert steps <= 3
     assert steps == 3  # 16 + 16 + 8 prompt tokens beside the first one's decodes
-    for _ in range(20):
-        if not engine.has_work():
-            break
+    run_until_idle(engine)
+
+
+def test_beside_decodes_short_prompts_go_whole_and_long_ones_share_one_chunk():
+    """16-token chunks, 64-token steps, one stream decoding. Four 12-token prompts and two
+    40-token prompts arrive: the short ones start in the first step (48 tokens, none split);
+    the long ones take 16 tokens between them per step, so they never hold the stream longer
+    than a chunk does."""
+    engine = colocated_engine(chunk_tokens=16, step_prompt_tokens=64)
+    spec = SamplingSpec(max_tokens=12, ignore_eos=True)
+    running = engine.submit(GenerateSpec("a", tuple(range(8)), spec), lambda emission: None)
+    engine.step()
+    assert running.sequence is not None
+    long_ones = [
+        engine.submit(GenerateSpec(f"l{i}", tuple(range(40 + i, 80 + i)), spec), lambda e: None)
+        for i in range(2)
+    ]
+    short_ones = [
+        engine.submit(GenerateSpec(f"s{i}", tuple(range(i, 12 + i)), spec), lambda e: None)
+        for i in range(4)
+    ]
+    pieces = []
+    engine.chunked.chunks.take = recorded(engine.chunked.chunks.take, pieces)
+    engine.step()
+    assert all(h.sequence is not None for h in short_ones)
+    assert all(h.sequence is None for h in long_ones)
+    first_step = {c.handle.spec.request_id: c.end - c.start for c in pieces[0]}
+    assert first_step == {"l0": 16, "s0": 12, "s1": 12, "s2": 12, "s3": 12}
+    while any(h.sequence is None for h in long_ones):
         engine.step()
-    assert not engine.has_work() and engine.pool.available_blocks == 64
+        long_tokens = sum(c.end - c.start for c in pieces[-1] if c.handle in long_ones)
+        assert long_tokens <= 16
+    assert len(pieces) == 5  # 80 long tokens, 16 a step
+    run_until_idle(engine)
+
+
+def recorded(take, pieces: list):
+    """`take`, noting the pieces each step got."""
+
+    def noted(*args):
+        chunks = take(*args)
+        pieces.append(chunks)
+        return chunks
+
+    return noted
 
 
 def test_a_sequence_whose_blocks_are_back_is_not_counted_as_running():

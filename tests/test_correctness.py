@@ -64,7 +64,7 @@ def test_colocated_schedules_match_reference(tmp_path, chunk_tokens):
         "1",
         "--prefill-chunk-tokens",
         chunk_tokens,
-        "--idle-prefill-chunk-tokens",  # small chunks in steps without decodes too
+        "--step-prompt-tokens",  # small chunks in steps without decodes too
         chunk_tokens,
         tmp_dir=str(tmp_path),
     )

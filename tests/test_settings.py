@@ -190,11 +190,11 @@ def test_a_bad_value_is_a_clear_error_and_exit_2(env, flags, says):
 
 
 def test_the_colocated_prefill_budgets_must_not_be_negative():
-    for flag in ("--prefill-chunk-tokens", "--idle-prefill-chunk-tokens"):
+    for flag in ("--prefill-chunk-tokens", "--step-prompt-tokens"):
         with pytest.raises(ValueError, match=f"{flag} .* must be >= 0, got -1"):
             parsed_settings("colocated", flag, "-1")
-    settings = parsed_settings("colocated", "--idle-prefill-chunk-tokens", "512")
-    assert (settings.chunk_tokens, settings.idle_chunk_tokens) == (256, 512)
+    settings = parsed_settings("colocated", "--step-prompt-tokens", "512")
+    assert (settings.chunk_tokens, settings.step_prompt_tokens) == (256, 512)
 
 
 def run_service(service: str, *flags: str) -> subprocess.CompletedProcess:

@@ -97,26 +97,36 @@ class ChunkQueue:
     def depth(self) -> int:
         return len(self._waiting)
 
-    def take(self, budget: int) -> list[Chunk]:
-        """The next prompt pieces, at most `budget` tokens in all; a completed prompt leaves."""
+    def take(self, step_tokens: int, long_tokens: int) -> list[Chunk]:
+        """The next prompt pieces, first come first served, at most `step_tokens` in all.
+
+        A prompt of at most `long_tokens` goes whole if the step has room. The pieces of longer
+        prompts share `long_tokens` between them: those are the prompts chunking exists for,
+        and together they hold a step for at most that many tokens. A completed prompt leaves."""
         chunks: list[Chunk] = []
+        step_left, long_left = step_tokens, long_tokens
         with self._lock:
             for item in list(self._waiting):
-                if budget <= 0:
+                if step_left <= 0:
                     break
                 prompt_len = item.handle.spec.prompt_len
-                end = min(prompt_len, item.done + budget)
-                chunks.append(Chunk(item.handle, item.done, end))
-                budget -= end - item.done
-                item.done = end
-                if end == prompt_len:
+                piece = min(prompt_len - item.done, step_left)
+                if prompt_len > long_tokens:
+                    piece = min(piece, long_left)
+                    long_left -= piece
+                if piece == 0:
+                    continue  # the long prompts' share is spent; shorter ones behind may go
+                chunks.append(Chunk(item.handle, item.done, item.done + piece))
+                step_left -= piece
+                item.done += piece
+                if item.done == prompt_len:
                     self._waiting.remove(item)
         return chunks
 
 
 class ChunkedPrefill:
-    """Steps that carry every running decode plus the next prompt pieces, within `budget`; a
-    step with no decode in it, within `idle_budget`.
+    """Steps that carry every running decode plus the next prompt pieces: at most `step_budget`
+    prompt tokens, of which the pieces of long prompts take at most `budget` while decodes run.
 
     `service` labels the metrics. `add` and `abort` may be called from any thread; `step` only
     from the engine thread, which carries out the cancels at its top."""
@@ -128,13 +138,14 @@ class ChunkedPrefill:
         budget: int,
         service: str,
         jobs: PrefillScheduler | None = None,
-        idle_budget: int = 0,
+        step_budget: int = 0,
     ) -> None:
         """`jobs`: where handles with a `job` wait (the colocated engine's unchunked schedule).
-        `idle_budget`: prompt tokens a step may carry when no decode runs (at least `budget`)."""
+        `budget`: the chunk, the most of long prompts a step with decodes carries.
+        `step_budget`: the most prompt tokens of any step (at least `budget`)."""
         self.runner, self.decode, self.jobs = runner, decode, jobs
         self.budget, self.service = budget, service
-        self.idle_budget = max(budget, idle_budget)
+        self.step_budget = max(budget, step_budget)
         self.chunks = ChunkQueue()
         self.cancels: Cancellations[Handle] = Cancellations()
 
@@ -150,9 +161,12 @@ class ChunkedPrefill:
         first tokens."""
         self.apply_cancels()
         batch = self.decode.schedule()
-        # The budget bounds how long a step keeps the running streams from their next token.
-        # A step without them keeps no one waiting, so a burst of prompts starts together.
-        chunks = self.chunks.take(self.budget if batch else self.idle_budget)
+        # The chunk bounds how long a long prompt keeps the running streams from their next
+        # token. Splitting a short prompt would not shorten that wait, only repeat it (every step
+        # also runs the decodes) and delay its first token, so short prompts go whole, and a
+        # step without decodes keeps no one waiting: a burst of prompts starts together.
+        long_tokens = self.budget if batch else self.step_budget
+        chunks = self.chunks.take(self.step_budget, long_tokens)
         for chunk in chunks:
             chunk.handle.first_chunk_at = chunk.handle.first_chunk_at or time.perf_counter()
         if not batch and not chunks:

@@ -2,9 +2,10 @@
 
 Two schedules (--prefill-chunk-tokens):
   chunked (default, as vLLM's and Sarathi-Serve's): every step is one forward pass carrying every
-          running decode plus at most `chunk_tokens` prompt tokens, so a long prompt is spread
-          over several steps and the streams beside it keep getting tokens; a step with no
-          decode to carry takes up to `idle_chunk_tokens` (--idle-prefill-chunk-tokens);
+          running decode plus at most `chunk_tokens` tokens of prompts longer than that, so a
+          long prompt is spread over several steps and the streams beside it keep getting
+          tokens; shorter prompts go whole, and a step with no decode to carry takes any
+          prompt, up to `step_prompt_tokens` (--step-prompt-tokens) in all;
   plain   (0): a whole prefill batch when one waits, then a decode step for all.
 Prefill writes its KV straight into the paged cache, the in-process equivalent of the handoff.
 """
@@ -44,7 +45,7 @@ class ColocatedEngine:
             settings.chunk_tokens,
             "colocated",
             jobs=self.prefill,
-            idle_budget=settings.idle_chunk_tokens,
+            step_budget=settings.step_prompt_tokens,
         )
         self.scores = ScoreQueue(self.model)  # echo's prompt logprobs, between steps
         self.loop = EngineLoop("colocated-engine", self.step, self.has_work, self._crashed)
