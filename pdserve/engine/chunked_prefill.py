@@ -1,6 +1,7 @@
-"""Prefill inside a decode loop: prompts go through in pieces, in the same forward pass as the
-running decodes, at most `budget` prompt tokens per step (as vLLM's and Sarathi-Serve's chunked
-prefill), so a prompt never stalls the streams beside it for longer than one such step.
+"""Prefill inside a decode loop: prompts go through in the same forward pass as the running
+decodes (as vLLM's and Sarathi-Serve's chunked prefill). Long prompts go in pieces, at most
+`budget` of their tokens per step, so a long prompt never stalls the streams beside it for longer
+than one such piece; shorter prompts go whole, at most `step_budget` prompt tokens a step.
 
 The colocated engine runs every prompt this way. The decode service runs short prompts this way
 when the router sends them there (conditional disaggregation), instead of over a handoff.
