@@ -41,12 +41,15 @@ def _serve(args) -> int:
     )
     _pin(cfg.parse_cpu_list(common.cpus))
     if args.role != "router":  # the router never imports torch
-        import torch
+        from pdserve.engine import torch_threads
 
-        # Threads follow the CPUs the service may use: more would only contend for them.
-        torch.set_num_threads(common.torch_threads or len(os.sched_getaffinity(0)))
+        # Threads follow the CPUs the service may use: more would only contend for them. They
+        # go to the engine's thread alone (pdserve/engine/torch_threads.py says why).
+        torch_threads.reserve_for_engine(common.torch_threads or len(os.sched_getaffinity(0)))
         logging.getLogger("pdserve").info(
-            "torch threads: %d on CPUs %s", torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+            "torch threads: %d for the engine, on CPUs %s; loading and the event loop use one",
+            torch_threads.reserved(),
+            sorted(os.sched_getaffinity(0)),
         )
     from pdserve.models.loading import load_served_model
 

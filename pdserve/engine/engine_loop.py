@@ -4,6 +4,8 @@ import logging
 import threading
 from typing import Callable
 
+from pdserve.engine import torch_threads
+
 log = logging.getLogger(__name__)
 
 
@@ -35,6 +37,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        torch_threads.enter_engine_thread()
         while True:
             with self._wakeup:
                 # The timeout is a safety net; wake() is the normal way in.
