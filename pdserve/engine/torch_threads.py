@@ -3,9 +3,10 @@
 torch's CPU build runs its intra-op parallelism on libgomp. libgomp keeps a team of workers for
 every thread that has run a parallel region, for as long as that thread lives, and counts the
 workers of all teams together. Once they outnumber the CPUs it may use, a worker spins only
-briefly between regions and then sleeps on a futex, so every region of a step pays a wake-up. A service's main thread loads the model, warms it up and runs the asyncio loop (gRPC,
-HTTP, KV ingest); when it ran torch with the service's threads too, it kept a second team, and
-the engine's step paid that wake-up in each of its hundreds of regions.
+briefly between regions and then sleeps on a futex, so every region of a step pays a wake-up.
+A service's main thread loads the model, warms it up and runs the asyncio loop (gRPC, HTTP, KV
+ingest); when it ran torch with the service's threads too, it kept a second team, and the
+engine's step paid that wake-up in each of its hundreds of regions.
 
 Measured on a 2-vCPU AMD EPYC (AVX2), `pdserve serve colocated --weights dense`, SmolLM2 in
 bfloat16, one stream, 2026-12-07: 44-51 ms between tokens (ITL p50) with two teams, its engine
