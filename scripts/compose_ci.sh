@@ -198,7 +198,7 @@ if [[ -n "${PDSERVE_DECODE_CPUSET:-}" ]]; then
   cpuset=$(docker inspect --format '{{.HostConfig.CpusetCpus}}' "$("${COMPOSE[@]}" ps -q decode)")
   [[ "$cpuset" == "$PDSERVE_DECODE_CPUSET" ]] || fail "decode cpuset is '$cpuset', want $PDSERVE_DECODE_CPUSET"
   "${COMPOSE[@]}" logs --no-color decode >"$LOGS/placement.log" 2>&1
-  grep -q "torch threads: 1 on CPUs \[$PDSERVE_DECODE_CPUSET\]" "$LOGS/placement.log" \
+  grep -q "torch threads: 1 for the engine, on CPUs \[$PDSERVE_DECODE_CPUSET\]" "$LOGS/placement.log" \
     || { tail -20 "$LOGS/placement.log" >&2; fail "decode's torch threads did not follow its cpuset"; }
   echo "  placement: decode on CPU $PDSERVE_DECODE_CPUSET with 1 torch thread, prefill on $PDSERVE_PREFILL_CPUSET"
 fi
