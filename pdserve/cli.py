@@ -45,10 +45,11 @@ def _serve(args) -> int:
 
         # Threads follow the CPUs the service may use: more would only contend for them. They
         # go to the engine's thread alone (pdserve/engine/torch_threads.py says why).
-        torch_threads.reserve_for_engine(common.torch_threads or len(os.sched_getaffinity(0)))
+        threads = common.torch_threads or len(os.sched_getaffinity(0))
+        torch_threads.reserve_for_engine(threads)
         logging.getLogger("pdserve").info(
             "torch threads: %d for the engine, on CPUs %s; loading and the event loop use one",
-            torch_threads.reserved(),
+            threads,
             sorted(os.sched_getaffinity(0)),
         )
     from pdserve.models.loading import load_served_model

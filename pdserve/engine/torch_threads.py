@@ -43,8 +43,3 @@ def enter_engine_thread() -> None:
     if _reserved:
         torch.set_num_threads(_reserved)
         log.info("engine thread: torch on %d threads", torch.get_num_threads())
-
-
-def reserved() -> int:
-    """The threads reserved for the engine thread (0: none)."""
-    return _reserved
