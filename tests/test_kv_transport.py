@@ -548,9 +548,19 @@ def _big_transfer(make_sink, leases):
     return main, 2 * k.numel() * 4
 
 
-def test_copies_per_kv_byte_stay_at_their_measured_count():
+def test_copies_per_kv_byte_stay_at_their_measured_count(monkeypatch):
     """A copy added back anywhere on the Python side of either path turns this red."""
     pool, leases, receiver = _big_decode()
+    # gRPC may free the serializer's bytes before or after its receive peaks (3.00 or 2.00
+    # chunks, by timing alone). Keeping them until the end makes the count one number.
+    serialized = []
+    join_message = frames.join_message
+
+    def join_and_keep(item):
+        serialized.append(join_message(item))
+        return serialized[-1]
+
+    monkeypatch.setattr(frames, "join_message", join_and_keep)
 
     async def tcp_sink(big_target):
         server = DataPlaneServer(receiver, DataPlaneLimits(stream_seconds=30))
@@ -578,6 +588,8 @@ def test_copies_per_kv_byte_stay_at_their_measured_count():
 
     transfer, nbytes = _big_transfer(grpc_sink, leases)
     over_grpc = _peak_copies(lambda: asyncio.run(transfer()), nbytes)
-    # the serializer's one bytes object, and the bytes gRPC hands the deserializer
-    assert 1.5 < over_grpc < 2.3, f"gRPC: {over_grpc:.2f} chunk-sized allocations"
+    # the serializer's one bytes object, and two in gRPC's receive: the message it gathers
+    # and the bytes it hands the deserializer
+    assert serialized, "the gRPC sink did not serialize through frames.join_message"
+    assert 2.7 < over_grpc < 3.3, f"gRPC: {over_grpc:.2f} chunk-sized allocations"
     assert pool.available_blocks == 256
