@@ -146,8 +146,8 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
     }
     for variant, system in TORCH_OPS.items():
         systems[variant] = (systems[system][0] + ["--step-ops", "torch"], env)
-    for label, extra in variants(args):
-        systems[f"pdserve colocated ({label})"] = (systems["pdserve colocated"][0] + extra, env)
+    for system, label, extra in variants(args):
+        systems[f"{system} ({label})"] = (systems[system][0] + extra, env)
     if args.vllm_python:
         venv = Path(args.vllm_python).absolute().parent.parent  # not resolved: bin/python links out
         vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
@@ -171,14 +171,17 @@ def commands(args, port: int) -> dict[str, tuple[list[str], dict]]:
     return systems
 
 
-def variants(args) -> list[tuple[str, list[str]]]:
-    """--colocated-variant "LABEL=FLAGS": (label, the flags added to colocated's command)."""
+def variants(args) -> list[tuple[str, str, list[str]]]:
+    """--colocated-variant and --disaggregated-variant "LABEL=FLAGS": (the system varied, label,
+    the flags added to its command)."""
     out = []
-    for spec in args.colocated_variant:
-        label, sep, flags = spec.partition("=")
-        if not sep or not label or not flags.split():
-            raise SystemExit(f'--colocated-variant {spec!r}: expected "LABEL=FLAGS"')
-        out.append((label, flags.split()))
+    for system in ("pdserve colocated", "pdserve disaggregated"):
+        option = system.replace("pdserve ", "--") + "-variant"
+        for spec in getattr(args, option[2:].replace("-", "_")):
+            label, sep, flags = spec.partition("=")
+            if not sep or not label or not flags.split():
+                raise SystemExit(f'{option} {spec!r}: expected "LABEL=FLAGS"')
+            out.append((system, label, flags.split()))
     return out
 
 
@@ -343,10 +346,16 @@ def main() -> None:
         help='"LABEL=FLAGS": also run colocated with these flags added, as the system '
         '"pdserve colocated (LABEL)" (repeatable; always run, whatever --only says)',
     )
+    p.add_argument(
+        "--disaggregated-variant",
+        action="append",
+        default=[],
+        help='"LABEL=FLAGS": the same for `pdserve up`, as "pdserve disaggregated (LABEL)"',
+    )
     p.add_argument("--out", default=str(RESULTS / "peers.json"))
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="pdserve-peers-")
-    extra = [f"pdserve colocated ({label})" for label, _ in variants(args)]
+    extra = [f"{system} ({label})" for system, label, _ in variants(args)]
     names = [n for n in commands(args, 0) if n not in extra]
     names = (
         [n for n in names if n in args.only] if args.only else [n for n in names if n not in OPT_IN]
