@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.rpc.errors import ErrorInterceptor, ServiceError
+from pdserve.rpc.start_up_heap import freeze_start_up_heap
 from pdserve.rpc.tls import RoleInterceptor, Tls, check_plaintext_allowed, target_name_option
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ async def run_until_signalled(
 ) -> None:
     """Serves until SIGTERM or SIGINT, then stops admitting and lets in-flight calls finish."""
     await server.grpc.start()
+    freeze_start_up_heap(name)  # before health says SERVING: the collection stops the process
     if serving_at_start:
         await server.set_serving(True)
     log.info("%s serving on port %d", name, server.port)
