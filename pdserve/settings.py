@@ -90,10 +90,10 @@ class CommonSettings:
         "auto",
         "what multiplies q4 layers: torch (torch's int4 kernel), native (pdserve's AVX2 "
         "kernel on llama.cpp's own Q4_1 bytes, activations rounded to 8 bits as llama.cpp "
-        "does; built by scripts/install.sh, needs AVX2, FMA and F16C), or auto: torch where "
-        "torch runs AVX-512 code, native elsewhere that it runs (the faster of the two on each, "
-        "as measured). Every service must agree: it is part of the model's fingerprint, so "
-        "name the kernel where prefill and decode run on different kinds of CPU",
+        "does; built by scripts/install.sh, needs AVX2, FMA and F16C), or auto: native "
+        "wherever it runs, else torch (native was the faster on the AVX2 and the AVX-512 CPUs "
+        "measured). Every service must agree: it is part of the model's fingerprint, so name "
+        "the kernel where prefill and decode run on different kinds of CPU",
     )
     step_ops: str = setting(
         "auto",
