@@ -1,5 +1,6 @@
-"""Every service keeps its start-up heap out of garbage collection (pdserve/rpc/start_up_heap.py),
-so that no full collection walks it while streams are served."""
+"""What a service does before it serves: every role that holds the model warms it up, and every
+service keeps its start-up heap out of garbage collection (pdserve/rpc/start_up_heap.py), so
+that neither a first wide pass nor a full collection stalls the streams it serves later."""
 
 import gc
 import re
@@ -34,6 +35,15 @@ def test_each_service_of_the_stack_froze_its_start_up_heap(stack):
         assert found, f"{service.role} logged no frozen start-up heap"
         # the interpreter, grpc and torch alone leave tens of thousands of objects
         assert int(found.group(1)) > 10_000, found.group(0)
+
+
+def test_each_role_that_holds_the_model_warms_it_up_before_it_serves(stack):
+    for service in (*stack.prefills, *stack.decodes):
+        with open(service.log_path, errors="replace") as f:
+            logged = f.read()
+        warmed, serving = logged.find("warmed up: a "), logged.find(" serving on port ")
+        assert warmed != -1, f"{service.role} did not warm up"
+        assert warmed < serving, f"{service.role} served before it warmed up"
 
 
 def test_start_up_garbage_is_collected_before_the_heap_is_frozen():
