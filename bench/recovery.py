@@ -71,6 +71,7 @@ BEFORE_SECONDS = 5.0  # the level an event is compared with
 WATCH_SECONDS = 30.0  # the longest a recovery is waited for
 AFTER_SECONDS = 10.0  # the level after an event: the watch's last seconds
 RESTART_SECONDS = 120.0  # the longest a killed service may take to be up again
+RESTART_DELAY_SECONDS = 1.0  # a killed service starts again this long after the kill
 LEASE_TTL_SECONDS = 30.0  # decode's default --lease-ttl-seconds
 # TinyGPT, as the docstring says: the figures are about the stack's recovery, not the model.
 SERVICE_FLAGS = ("--torch-threads", "1", "--model", "tinygpt")
@@ -124,7 +125,7 @@ class Stack:
         self.restarted_after = None
 
         def restart() -> None:
-            time.sleep(1.0)
+            time.sleep(RESTART_DELAY_SECONDS)
             try:
                 group[index] = start_service(
                     old.role, *SERVICE_FLAGS, tmp_dir=self.tmp, port=old.port
@@ -397,7 +398,7 @@ def main() -> None:
         "before_seconds": BEFORE_SECONDS,
         "watch_seconds": WATCH_SECONDS,
         "after_seconds": AFTER_SECONDS,
-        "restart_delay_seconds": 1.0,
+        "restart_delay_seconds": RESTART_DELAY_SECONDS,
     }
     for row in rows:
         row.pop("at")

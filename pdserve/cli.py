@@ -55,20 +55,21 @@ def _serve(args) -> int:
     from pdserve.models.loading import load_served_model
 
     # The router only tokenizes and checks model identity, so it needs no weights.
+    holds_weights = args.role != "router"
     model = load_served_model(
         common.model,
         common.dtype,
-        weights=(args.role != "router"),
+        weights=holds_weights,
         weight_format=common.weights,
         numerics=common.numerics,
         q4_kernel=common.q4_kernel,
         step_ops=common.step_ops,
     )
-    # Prefill and colocated prefill every prompt they serve. Decode warms up too: where a pass
-    # of 8 rows or more goes wide (bf16 dot products), its first such step would otherwise build
-    # every layer's bf16 copy while streams wait (1.9 s on an AVX-512 EPYC), and any load of
-    # 8 streams builds them anyway.
-    if args.role in ("prefill", "colocated", "decode"):
+    # Every role that holds the weights warms up. Decode too: where a pass of 8 rows or more
+    # goes wide (bf16 dot products), its first such step would otherwise build every layer's
+    # bf16 copy while its streams wait (about 2 s on an AVX-512 EPYC), and any load of 8 streams
+    # builds them anyway.
+    if holds_weights:
         from pdserve.engine.model_runner import WARM_UP_TOKENS, warm_up
 
         seconds = warm_up(model.built)

@@ -23,7 +23,8 @@ for _ in range(20_000):
     cycle.append(cycle)
 del cycle
 alive = len(gc.get_objects())
-frozen = freeze_start_up_heap("test")
+freeze_start_up_heap("test")
+frozen = gc.get_freeze_count()
 print(alive, frozen, len(gc.get_objects()))
 """
 
